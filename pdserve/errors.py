@@ -1,0 +1,30 @@
+"""Control-plane errors.
+
+Every error that pdserve's control plane raises derives from `PdserveError`, so callers can
+catch the family without catching programming errors. The data plane (KV transfers) reports
+failures as state, not exceptions; the HTTP layer turns these into OpenAI-style error bodies.
+"""
+
+
+class PdserveError(Exception):
+    """Base class of pdserve's control-plane errors."""
+
+
+class ConfigError(PdserveError):
+    """The configuration is invalid; the message names the offending field."""
+
+
+class ModelPreparationError(PdserveError):
+    """A model could not be resolved or converted into a loadable checkpoint."""
+
+
+class EngineStartError(PdserveError):
+    """An engine actor failed to start (bad model, out of memory, timeout)."""
+
+
+class EngineUnavailableError(PdserveError):
+    """No engine can take the request (all dead, draining, or none configured)."""
+
+
+class EngineRequestError(PdserveError):
+    """An engine failed while serving one request (actor died, engine raised)."""
