@@ -444,7 +444,7 @@ class BlockSink(ABC):
         Called by the connector's worker side once per request to load (`start_load_kv`). Never
         blocks on the network and never raises: bad arguments and transport errors end the
         returned handle in FAILED. With `release`, the source unpins the blocks once it has sent
-        them all (saving a Release round trip).
+        them all (saving a Release round trip); its `on_release` may fire just after DONE here.
         """
         transfer = KVTransfer(request_id, remote_address, len(dst_block_ids))
         problem = self._check_block_ids(list(src_block_ids), list(dst_block_ids))

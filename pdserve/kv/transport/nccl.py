@@ -125,6 +125,13 @@ class _Pair:
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
 
+    def live_group(self) -> dist.ProcessGroup:
+        """The group, or KVTransportError once the pair was aborted."""
+        group = self.group
+        if group is None:
+            raise KVTransportError(f"KV pair {self.pair_id} was closed")
+        return group
+
     def abort(self) -> None:
         """Tears the group down so later ops fail fast; any thread, at most once matters."""
         group, self.group = self.group, None
@@ -164,6 +171,7 @@ class NcclSource(GrpcSource):
         self.pair_timeout_s = pair_timeout_s
         self._pairs: dict[str, tuple[_Pair, queue.Queue[_SendJob | None]]] = {}
         self._pairs_lock = threading.Lock()
+        self._closing = False
         super().__init__(layout, regions, **grpc_options)
 
     def serve_setup_communicator(self, pair_id: str, backend: str) -> tuple[str, bytes]:
@@ -200,6 +208,7 @@ class NcclSource(GrpcSource):
     def close(self) -> None:
         """Stops the gRPC server, then every pair thread, then drops the pins."""
         with self._pairs_lock:
+            self._closing = True
             pairs, self._pairs = list(self._pairs.values()), {}
         try:
             super().close()
@@ -214,7 +223,8 @@ class NcclSource(GrpcSource):
             while (job := jobs.get()) is not None:
                 self._run_send(pair, job)
         except Exception as exc:  # noqa: BLE001 - a broken pair is dropped; its sink fails its pull
-            logger.warning("KV pair %s broke: %s", pair.pair_id, exc)
+            level = logging.DEBUG if self._closing else logging.WARNING
+            logger.log(level, "KV pair %s broke: %s", pair.pair_id, exc)
         finally:
             with self._pairs_lock:
                 self._pairs.pop(pair.pair_id, None)
@@ -230,14 +240,15 @@ class NcclSource(GrpcSource):
             self.close_read(job.request_id, release=sent and job.release_after)
 
     def _send(self, pair: _Pair, block_ids: list[int]) -> None:
-        assert pair.group is not None and pair.staging is not None
+        staging = pair.staging
         deadline = time.monotonic() + pair.timeout_s
         index = blocks.block_index(block_ids, pair.device)
         with _on_stream(pair):
             for batch in plan(self._region_nbytes, len(block_ids), pair.staging_bytes):
                 for piece, offset in batch:
-                    blocks.gather(self.regions[piece.region], index, piece, pair.staging[offset:])
-                pair.group.send([pair.staging[: blocks.batch_nbytes(batch)]], 1, 0).wait()
+                    blocks.gather(self.regions[piece.region], index, piece, staging[offset:])
+                # Looked up per batch: close() may abort the pair between two sends.
+                pair.live_group().send([staging[: blocks.batch_nbytes(batch)]], 1, 0).wait()
         # The blocks may be freed once every gather has read them: wait for the stream.
         wait_stream(pair.stream, deadline)
 
@@ -283,20 +294,20 @@ class NcclSink(GrpcSink):
             session.stub.PullBlocksNccl(request, timeout=HANDSHAKE_TIMEOUT_S, metadata=session.metadata)
             try:
                 self._receive_batches(pair, transfer, dst)
-            except BaseException:
+            except Exception as exc:
                 self._drop_pair(address, pair)  # its message order is unknown now
-                raise
+                raise KVTransportError(f"{self.backend} receive from {address} failed: {exc}") from exc
 
     def _receive_batches(self, pair: _Pair, transfer: KVTransfer, dst: list[int]) -> None:
-        assert pair.group is not None and pair.staging is not None
+        group, staging = pair.live_group(), pair.staging
         deadline = time.monotonic() + pair.timeout_s
         index = blocks.block_index(dst, pair.device)
         region_nbytes = [r.block_nbytes for r in self.region_infos]
         with _on_stream(pair):
             for batch in plan(region_nbytes, len(dst), pair.staging_bytes):
-                pair.group.recv([pair.staging[: blocks.batch_nbytes(batch)]], 0, 0).wait()
+                group.recv([staging[: blocks.batch_nbytes(batch)]], 0, 0).wait()
                 for piece, offset in batch:
-                    blocks.scatter(self.regions[piece.region], index, piece, pair.staging[offset:])
+                    blocks.scatter(self.regions[piece.region], index, piece, staging[offset:])
                     transfer.add_bytes(piece.nbytes)
         wait_stream(pair.stream, deadline)
 

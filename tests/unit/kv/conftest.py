@@ -1,0 +1,36 @@
+"""Fixtures of the KV transport tests: `kv_transport` runs a test once per transport kind."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from kv_helpers import TRANSPORTS, TransportFactory
+from pdserve.kv.transport import blocks
+
+
+@pytest.fixture(params=TRANSPORTS)
+def kv_transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[TransportFactory]:
+    """A factory for one transport kind; the test runs once per kind."""
+    factory = TransportFactory(request.param, monkeypatch)
+    yield factory
+    factory.close()
+
+
+@pytest.fixture
+def slow_gather(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
+    """Makes every transport's per-piece gather sleep first, so a test can act mid-pull."""
+
+    def install(delay_s: float) -> None:
+        original = blocks.gather
+
+        def slow(*args: object, **kwargs: object) -> torch.Tensor:
+            threading.Event().wait(delay_s)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(blocks, "gather", slow)
+
+    return install

@@ -1,0 +1,85 @@
+"""Compatibility hash, field-naming refusals and handshake proofs (no network)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pdserve.kv.transport.base import (
+    WIRE_VERSION,
+    AuthenticationError,
+    BlockRegion,
+    IncompatiblePeerError,
+    KVLayoutSpec,
+    KVTransfer,
+    TransferState,
+    WireVersionError,
+    check_compatible,
+    check_regions,
+    make_hello,
+    verify_hello,
+)
+
+pytestmark = pytest.mark.unit
+
+LLAMA = KVLayoutSpec("meta-llama/Llama-3.1-8B", "bfloat16", 16, "flash_attn:[2,nb,bs,h,d]", 2, 1, 32)
+
+
+def test_compat_hash_is_stable_across_releases():
+    # Changing this digest means old and new engines refuse each other: bump WIRE_VERSION too.
+    assert LLAMA.compat_hash() == "1b1df0b0a2442711437302405c383694c8fa2053056e3a1a1c6f8ea34904514d"
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(KVLayoutSpec)])
+def test_every_field_changes_the_hash_and_is_named_when_it_differs(field):
+    value = getattr(LLAMA, field)
+    changed = dataclasses.replace(LLAMA, **{field: value + 1 if isinstance(value, int) else value + "x"})
+
+    assert changed.compat_hash() != LLAMA.compat_hash()
+    with pytest.raises(IncompatiblePeerError, match=field) as refused:
+        check_compatible(LLAMA, changed)
+    assert refused.value.field == field
+
+
+def test_region_mismatch_names_the_region_and_field():
+    mine = [BlockRegion(torch.zeros(4, 2, 8)).info(), BlockRegion(torch.zeros(4, 2, 8)).info()]
+    theirs = [mine[0], BlockRegion(torch.zeros(4, 2, 8, dtype=torch.float16)).info()]
+    with pytest.raises(IncompatiblePeerError) as refused:
+        check_regions(mine, theirs)
+    assert refused.value.field == "regions[1].dtype"
+
+
+def test_block_shape_excludes_the_block_dim():
+    info = BlockRegion(torch.zeros(2, 10, 16, 4, 8, dtype=torch.float16), block_dim=1).info()
+    assert info.block_shape == (2, 16, 4, 8)
+    assert info.block_nbytes == 2 * 16 * 4 * 8 * 2
+
+
+def test_hello_checks_version_then_token_then_layout():
+    hello = make_hello(LLAMA, "secret", "client", "decode-1", WIRE_VERSION)
+    verify_hello(LLAMA, "secret", "client", hello, WIRE_VERSION)
+    with pytest.raises(WireVersionError):
+        verify_hello(LLAMA, "secret", "client", hello, WIRE_VERSION + 1)
+    with pytest.raises(AuthenticationError):
+        verify_hello(LLAMA, "other", "client", hello, WIRE_VERSION)
+    with pytest.raises(IncompatiblePeerError, match="tp_rank"):
+        verify_hello(dataclasses.replace(LLAMA, tp_rank=0), "secret", "client", hello, WIRE_VERSION)
+
+
+def test_a_proof_is_not_valid_for_the_other_role():
+    server_hello = make_hello(LLAMA, "secret", "server", "prefill-1", WIRE_VERSION)
+    with pytest.raises(AuthenticationError):
+        verify_hello(LLAMA, "secret", "client", server_hello, WIRE_VERSION)
+
+
+def test_transfer_handle_ends_once():
+    transfer = KVTransfer("req", "addr", 3)
+    assert transfer.state is TransferState.PENDING and not transfer.done
+    transfer.set_transferring()
+    transfer.add_bytes(10)
+    transfer.finish("boom")
+    transfer.finish()
+    assert transfer.state is TransferState.FAILED and transfer.error == "boom" and transfer.bytes_moved == 10
+    assert transfer.wait(0) is TransferState.FAILED

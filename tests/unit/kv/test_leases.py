@@ -1,0 +1,77 @@
+"""Pins and leases of a source's blocks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from pdserve.kv.transport.leases import PinTable, ReleaseReason
+
+pytestmark = pytest.mark.unit
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ReleaseReason]] = []
+        self.event = threading.Event()
+
+    def __call__(self, request_id: str, reason: ReleaseReason) -> None:
+        self.calls.append((request_id, reason))
+        self.event.set()
+
+
+def test_a_lease_that_expires_during_a_read_waits_for_the_read():
+    recorder = Recorder()
+    pins = PinTable(recorder)
+    pins.pin("req", [1, 2], lease_s=0.05)
+    pins.acquire("req", [1])
+    time.sleep(0.2)
+    assert recorder.calls == []  # still being read
+    assert pins.blocks("req") is None  # but no new reader may start
+
+    pins.finish_read("req")
+
+    assert recorder.calls == [("req", ReleaseReason.LEASE_EXPIRED)]
+    pins.close()
+
+
+def test_repinning_renews_the_lease():
+    recorder = Recorder()
+    pins = PinTable(recorder)
+    pins.pin("req", [1], lease_s=0.15)
+    time.sleep(0.1)
+    pins.pin("req", [1, 3], lease_s=0.3)
+    time.sleep(0.1)
+    assert recorder.calls == [] and pins.blocks("req") == (1, 3)
+    assert recorder.event.wait(5)
+    pins.close()
+
+
+def test_each_pin_ends_exactly_once():
+    recorder = Recorder()
+    pins = PinTable(recorder)
+    pins.pin("req", [1], lease_s=0.05)
+    assert pins.release("req", ReleaseReason.LOCAL)
+    time.sleep(0.15)
+    assert not pins.release("req", ReleaseReason.REMOTE)
+    assert recorder.calls == [("req", ReleaseReason.LOCAL)]
+    pins.close()
+
+
+def test_a_failing_callback_does_not_stop_the_reaper():
+    calls: list[str] = []
+
+    def flaky(request_id: str, reason: ReleaseReason) -> None:
+        calls.append(request_id)
+        raise RuntimeError("engine bug")
+
+    pins = PinTable(flaky)
+    pins.pin("a", [1], lease_s=0.01)
+    pins.pin("b", [2], lease_s=0.05)
+    deadline = time.monotonic() + 5
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(calls) == ["a", "b"]
+    pins.close()
