@@ -1,0 +1,94 @@
+"""KV pulls between two OS processes (spawned), for the gRPC and NCCL-over-gloo transports."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import kv_peer
+from pdserve.kv.transport.base import BlockSink, TransferState
+from pdserve.kv.transport.grpc import GrpcSink
+from pdserve.kv.transport.nccl import NcclSink
+
+pytestmark = pytest.mark.integration
+
+# A spawned child imports torch and grpc before it is ready: seconds on a small CI box.
+STARTUP_S = 60.0
+WAIT_S = 20.0
+
+
+@contextmanager
+def source_process(gather_delay_s: float = 0.0) -> Iterator[tuple[str, multiprocessing.Process, object]]:
+    context = multiprocessing.get_context("spawn")
+    parent_end, child_end = context.Pipe()
+    process = context.Process(target=kv_peer.run_source, args=(child_end, gather_delay_s), daemon=True)
+    process.start()
+    try:
+        assert parent_end.poll(STARTUP_S), "source process did not start"
+        message, address = parent_end.recv()
+        assert message == "ready"
+        yield address, process, parent_end
+    finally:
+        if process.is_alive():
+            parent_end.send("stop")
+            process.join(10)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+        parent_end.close()
+
+
+def make_sink(kind: str, regions, small_pieces: bool = False) -> BlockSink:
+    cls = GrpcSink if kind == "grpc" else NcclSink
+    chunk = 1 if small_pieces else 64 << 10
+    return cls(kv_peer.LAYOUT, regions, engine_id=f"decode-{kind}", cluster_token=kv_peer.TOKEN, max_chunk_bytes=chunk)
+
+
+def test_pulls_across_processes_move_the_exact_bytes():
+    expected = kv_peer.kv_regions(kv_peer.NUM_BLOCKS, kv_peer.SOURCE_SEED)
+    dst_ids = [19, 0, 7, 3, 12, 1, 15, 9]
+    with source_process() as (address, _, pipe):
+        for kind, request_id in kv_peer.REQUEST_IDS.items():
+            dst_regions = kv_peer.kv_regions(20, seed=99, sink_side=True)
+            sink = make_sink(kind, dst_regions)
+            try:
+                transfer = sink.start_pull(address, request_id, kv_peer.SRC_IDS, dst_ids)
+                assert transfer.wait(WAIT_S) is TransferState.DONE, transfer
+                assert pipe.poll(WAIT_S), "the source never reported the release"
+                assert pipe.recv() == ("released", request_id, "pulled")
+            finally:
+                sink.close()
+            assert_pulled(expected, dst_regions, dst_ids, kind)
+
+
+def assert_pulled(expected, dst_regions, dst_ids, kind) -> None:
+    for src_region, dst_region in zip(expected, dst_regions, strict=True):
+        for s, d in zip(kv_peer.SRC_IDS, dst_ids, strict=True):
+            want = src_region.tensor.select(src_region.block_dim, s)
+            got = dst_region.tensor.select(dst_region.block_dim, d)
+            assert torch.equal(want, got), f"{kind}: block {s} -> {d} differs"
+
+
+def test_source_process_killed_mid_stream_fails_both_kinds_of_pull():
+    ids = list(range(8))
+    with source_process(gather_delay_s=0.1) as (address, process, _):
+        sinks = {kind: make_sink(kind, kv_peer.kv_regions(20, seed=99, sink_side=True), True) for kind in kv_peer.REQUEST_IDS}
+        try:
+            transfers = {
+                kind: sinks[kind].start_pull(address, kv_peer.REQUEST_IDS[kind], kv_peer.SRC_IDS, ids) for kind in sinks
+            }
+            deadline = time.monotonic() + WAIT_S
+            while any(t.bytes_moved == 0 and not t.done for t in transfers.values()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            process.kill()
+            for kind, transfer in transfers.items():
+                assert transfer.wait(WAIT_S) is TransferState.FAILED, f"{kind}: {transfer}"
+                assert transfer.error and transfer.bytes_moved > 0
+        finally:
+            for sink in sinks.values():
+                sink.close()
