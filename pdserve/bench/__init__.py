@@ -1,0 +1,20 @@
+"""Benchmark harness: measure any OpenAI-compatible endpoint the way `vllm bench serve` does.
+
+Package map (each module's docstring gives its lifecycle):
+
+- `workloads`: seeded request generators (random lengths, chat/code/summarization shapes with cited
+  statistics, Mooncake trace replay with shared prefixes); prompts as text or token ids.
+- `tokenizer`: the small tokenizer protocol the harness needs, and an offline Hugging Face loader.
+- `arrivals`: arrival schedules (all at once, Poisson, gamma burstiness, trace timestamps).
+- `client`: async streaming client for /v1/completions and /v1/chat/completions, SSE parsing, per-request
+  timelines.
+- `metrics`: TTFT/TPOT/ITL/E2EL statistics, throughputs and goodput as vllm computes them, plus SLO
+  attainment; pure functions.
+- `runner`: one run (warm-ups, schedule, concurrency cap, progress bar) -> `BenchmarkResult`.
+- `report` / `plots`: vllm-compatible result JSON, per-request CSV, text summary, PNG plots.
+- `sweep`: attainment vs request rate, goodput search (pure policy + driver), endpoint comparison.
+- `cli` / `cli_args`: `pdserve bench {serve,sweep,compare}` and `python -m pdserve.bench.cli`.
+
+Importing the package imports nothing heavy; the modules pull numpy, aiohttp, matplotlib and tqdm (the
+`bench` extra) and transformers (for tokenizers) when used.
+"""
