@@ -1,0 +1,8 @@
+"""Test and simulation helpers that ship with pdserve: a mock engine, an in-process backend,
+and a tiny tokenizer. Nothing here loads a model or needs Ray."""
+
+from pdserve.testing.inprocess import InProcessBackend
+from pdserve.testing.mock_engine import MockEngine
+from pdserve.testing.tokenizer import tiny_tokenizer
+
+__all__ = ["InProcessBackend", "MockEngine", "tiny_tokenizer"]

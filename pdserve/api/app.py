@@ -1,0 +1,217 @@
+"""The OpenAI-compatible HTTP frontend (FastAPI).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET
+/v1/models, GET /health, GET /metrics. Every error leaves as an OpenAI-style body with the right
+status; nothing a client sends can take the server down. A client that goes away aborts its
+engine request: streams are cancelled by the server when the connection drops, and
+non-streaming requests are watched for disconnects while they run.
+
+Lifecycle: `build_app()` wires a backend in; the app's lifespan runs one background task that
+polls engine stats into the gauges, and cancels it on exit. The backend itself is owned (and
+shut down) by whoever built it (`pdserve.serving.service`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.api.errors import OpenAIError, bad_request, internal, overloaded
+from pdserve.api.metrics import ServingMetrics
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.serving import OpenAIServing, PreparedRequest
+from pdserve.serving.backend import EngineBackend
+
+logger = logging.getLogger(__name__)
+
+# How often engine gauges refresh; Prometheus scrapes every 10-15 s, routing wants fresher.
+_STATS_INTERVAL_S = 1.0
+# How often a non-streaming request checks whether its client is still there.
+_DISCONNECT_POLL_S = 0.25
+
+
+def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
+              max_queued_requests: int = 1024, default_max_tokens: int | None = None,
+              metrics: ServingMetrics | None = None) -> FastAPI:
+    metrics = metrics or ServingMetrics()
+    serving = OpenAIServing(backend, tokenizer, served_name, metrics, default_max_tokens)
+    admission = _Admission(max_queued_requests)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        poller = asyncio.create_task(_poll_stats(backend, metrics))
+        try:
+            yield
+        finally:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
+
+    app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.state.metrics = metrics
+    _install_error_handlers(app, metrics)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        release = admission.admit()
+        try:
+            prepared = await serving.prepare_completion(body)
+        except BaseException:
+            release()
+            raise
+        return await _respond(serving, prepared, request, release)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        release = admission.admit()
+        try:
+            prepared = await serving.prepare_chat(body)
+        except BaseException:
+            release()
+            raise
+        return await _respond(serving, prepared, request, release)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": served_name, "object": "model", "created": int(time.time()),
+                "owned_by": "pdserve", "max_model_len": serving.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if backend.healthy():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+class _Admission:
+    """Bounded admission: past the limit, new requests get 429 instead of an unbounded queue."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._in_flight = 0
+
+    def admit(self) -> Callable[[], None]:
+        """Take a slot or raise 429; the returned callable gives it back (idempotent)."""
+        if self._in_flight >= self._limit:
+            raise overloaded(retry_after_s=1)
+        self._in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._in_flight -= 1
+
+        return release
+
+
+async def _respond(serving: OpenAIServing, prepared: PreparedRequest, request: Request,
+                   release: Callable[[], None]) -> Response:
+    if prepared.stream:
+        return StreamingResponse(_released_after(serving.stream(prepared), release),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        return await _complete_unless_disconnected(serving, prepared, request)
+    finally:
+        release()
+
+
+async def _released_after(events: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
+    # Starlette cancels this stream when the client disconnects; the cancellation unwinds
+    # into the backend, which aborts the engine request.
+    try:
+        async for event in events:
+            yield event
+    finally:
+        release()
+        await events.aclose()
+
+
+async def _complete_unless_disconnected(serving: OpenAIServing, prepared: PreparedRequest,
+                                        request: Request) -> Response:
+    work = asyncio.ensure_future(serving.complete(prepared))
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()  # client gone: unwinds into the backend, which aborts the request
+        await asyncio.gather(watcher, return_exceptions=True)
+    if work.cancelled():
+        await asyncio.gather(work, return_exceptions=True)
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+    return JSONResponse(work.result())
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(_DISCONNECT_POLL_S)
+
+
+async def _poll_stats(backend: EngineBackend, metrics: ServingMetrics) -> None:
+    while True:
+        try:
+            metrics.update_engines(await backend.refresh_stats(), backend.pools)
+        except Exception:  # noqa: BLE001 - a failed poll must not stop future polls
+            logger.exception("engine stats poll failed")
+        await asyncio.sleep(_STATS_INTERVAL_S)
+
+
+def _install_error_handlers(app: FastAPI, metrics: ServingMetrics) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> Response:
+        metrics.rejected.labels(str(exc.status)).inc()
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+        metrics.rejected.labels("400").inc()
+        return _describe_validation(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return OpenAIError(str(exc.detail), exc.status_code, kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error while serving a request")
+        metrics.rejected.labels("500").inc()
+        return internal(f"internal error: {type(exc).__name__}").response()
+
+
+def _describe_validation(exc: RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"The request body is not valid JSON: {first.get('msg')}")
+    if first.get("type") == "model_attributes_type" or not loc and "dict" in first.get("msg", ""):
+        return bad_request("The request body must be a JSON object.")
+    param = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        msg = f"Missing required parameter: '{param}'."
+    elif param:
+        msg = f"Invalid value for '{param}': {msg}"
+    return bad_request(msg, param)

@@ -1,0 +1,62 @@
+"""OpenAI-style errors for the HTTP layer.
+
+Every failure a client can cause or see comes back as
+`{"error": {"message", "type", "param", "code"}}` with the matching HTTP status, the shape the
+official `openai` client parses into `BadRequestError`, `NotFoundError`, `RateLimitError`, ...
+Streams that fail after their first byte yield the same object as an SSE event.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+
+class OpenAIError(Exception):
+    """An error to return to the client, with its HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(message, 400, "invalid_request_error", param, code)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(
+        f"The model `{model}` does not exist.", 404, "invalid_request_error", "model",
+        "model_not_found",
+    )
+
+
+def overloaded(retry_after_s: int) -> OpenAIError:
+    return OpenAIError(
+        "The server is at capacity; retry later.", 429, "rate_limit_exceeded", None,
+        "rate_limit_exceeded", retry_after_s,
+    )
+
+
+def unavailable(message: str) -> OpenAIError:
+    return OpenAIError(message, 503, "service_unavailable", None, "service_unavailable")
+
+
+def internal(message: str) -> OpenAIError:
+    return OpenAIError(message, 500, "internal_error", None, "internal_error")

@@ -1,0 +1,82 @@
+"""Prometheus metrics of the serving path.
+
+Each frontend owns a registry (so tests can build many apps in one process). Latencies are
+observed by the frontend per request as the client sees them; gauges of engine state are
+refreshed from engine stats by the frontend's poller. Every series carries the pool label
+(`colocated`, `prefill`, `decode`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdserve.engine.types import EngineStats
+
+# Buckets span a fast GPU (TTFT ~20 ms, TPOT ~5 ms) to the 2-core CPU engine (seconds).
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
+                 0.3, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class ServingMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds",
+                              "Time from request arrival to the first output token.",
+                              ["pool"], buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              ["pool"], buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds",
+                             "Time from request arrival to its last token.",
+                             ["pool"], buckets=_E2E_BUCKETS, registry=r)
+        self.requests = Counter("pdserve_requests_total", "Finished requests by outcome.",
+                                ["pool", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens processed.",
+                                     ["pool"], registry=r)
+        self.output_tokens = Counter("pdserve_generation_tokens_total", "Output tokens produced.",
+                                     ["pool"], registry=r)
+        self.rejected = Counter("pdserve_requests_rejected_total",
+                                "Requests refused before reaching an engine, by HTTP status.",
+                                ["status"], registry=r)
+        self.running = Gauge("pdserve_requests_running", "Requests running in engines.",
+                             ["pool"], registry=r)
+        self.waiting = Gauge("pdserve_requests_waiting", "Requests queued in engines.",
+                             ["pool"], registry=r)
+        self.kv_usage = Gauge("pdserve_kv_cache_usage_ratio", "KV cache blocks in use (0 to 1).",
+                              ["pool", "replica"], registry=r)
+        self.engines_up = Gauge("pdserve_engines_healthy", "Engines answering stats calls.",
+                                ["pool"], registry=r)
+
+    def observe_request(self, pool: str, ttft_s: float | None, tpot_s: float | None,
+                        e2e_s: float, prompt_tokens: int, output_tokens: int,
+                        finish_reason: str) -> None:
+        if ttft_s is not None:
+            self.ttft.labels(pool).observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.labels(pool).observe(tpot_s)
+        self.e2e.labels(pool).observe(e2e_s)
+        self.requests.labels(pool, finish_reason).inc()
+        self.prompt_tokens.labels(pool).inc(prompt_tokens)
+        self.output_tokens.labels(pool).inc(output_tokens)
+
+    def update_engines(self, stats: Iterable[EngineStats], pools: Iterable[str]) -> None:
+        running = {pool: 0 for pool in pools}
+        waiting = dict(running)
+        healthy = dict(running)
+        for s in stats:
+            running[s.pool] = running.get(s.pool, 0) + s.num_running
+            waiting[s.pool] = waiting.get(s.pool, 0) + s.num_waiting
+            healthy[s.pool] = healthy.get(s.pool, 0) + 1
+            self.kv_usage.labels(s.pool, s.replica_id).set(s.kv_cache_usage)
+        for pool in running:
+            self.running.labels(pool).set(running[pool])
+            self.waiting.labels(pool).set(waiting[pool])
+            self.engines_up.labels(pool).set(healthy[pool])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

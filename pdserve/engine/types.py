@@ -1,0 +1,76 @@
+"""Values that cross the boundary between the frontend and engine actors.
+
+They travel through Ray (inside the cluster), so they are small frozen dataclasses of plain
+values: never a vLLM object, never a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One request for one engine: already tokenized and validated by the frontend."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingOptions
+    # Opaque to the engine adapter; consumed by pdserve's KV connector (disaggregated mode).
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateDelta:
+    """What an engine produced since its previous delta for one request."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_output_tokens: int  # cumulative
+    finish_reason: str | None = None  # "stop", "length", "abort"; None while running
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A point-in-time view of one engine, for metrics and routing."""
+
+    replica_id: str
+    pool: str
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    num_aborted_total: int = 0
+    num_finished_total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """Static facts an engine reports once started."""
+
+    replica_id: str
+    pool: str
+    model: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)

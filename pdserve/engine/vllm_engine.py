@@ -1,0 +1,185 @@
+"""The vLLM engine adapter: one AsyncLLM inside an engine actor.
+
+Lifecycle: `start()` derives vLLM's engine arguments from the pdserve config, sets the few
+environment variables vLLM's CPU backend reads (only in this actor's process), and builds the
+AsyncLLM on a worker thread: its constructor blocks for the whole engine start (20-35 s on CPU,
+~75 s on GPU) and must not stall the actor's event loop. Requests go in as token ids (the
+frontend tokenized them) and come back as DELTA outputs. vLLM's scheduler stats (running,
+waiting, KV usage) arrive through a stat logger that keeps only the latest values.
+
+vLLM is imported inside methods so that importing pdserve never requires vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
+
+if TYPE_CHECKING:
+    from pdserve.engine.actor import EngineSpec
+
+logger = logging.getLogger(__name__)
+
+# Without an explicit size vLLM's CPU backend reserves most of the host's RAM for KV.
+# 1 GiB holds ~23k tokens of SmolLM2-135M in fp32 (182 blocks of 128 tokens).
+_DEFAULT_CPU_KV_BYTES = 1024**3
+
+
+@dataclass(slots=True)
+class _LatestSchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+def _stat_logger_factory(sink: _LatestSchedulerStats):  # noqa: ANN202 - vLLM factory type
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _Recorder(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
+            if scheduler_stats is not None:
+                sink.num_running = scheduler_stats.num_running_reqs
+                sink.num_waiting = scheduler_stats.num_waiting_reqs
+                sink.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return lambda vllm_config, engine_index=0: _Recorder(vllm_config, engine_index)
+
+
+class VllmEngine:
+    def __init__(self, spec: EngineSpec) -> None:
+        self._spec = spec
+        self._llm: Any = None
+        self._scheduler = _LatestSchedulerStats()
+        self._aborted_total = 0
+        self._finished_total = 0
+
+    async def start(self) -> EngineInfo:
+        on_cpu = _on_cpu(self._spec)
+        if on_cpu:
+            _set_cpu_environment(self._spec)
+        args = _engine_args(self._spec, on_cpu)
+        self._llm = await asyncio.to_thread(self._build, args)
+        vllm_config = self._llm.vllm_config
+        return EngineInfo(
+            replica_id=self._spec.replica_id, pool=self._spec.pool,
+            model=self._spec.served_name,
+            max_model_len=vllm_config.model_config.max_model_len,
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_blocks=vllm_config.cache_config.num_gpu_blocks or 0,
+            extra={"device": "cpu" if on_cpu else "cuda"},
+        )
+
+    def _build(self, args: Any) -> Any:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._scheduler)])
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        produced = 0
+        finished = False
+        try:
+            async for out in self._llm.generate(prompt, _sampling_params(request),
+                                                request.request_id):
+                completion = out.outputs[0]
+                produced += len(completion.token_ids)
+                finished = out.finished
+                yield GenerateDelta(
+                    request_id=request.request_id, text=completion.text,
+                    token_ids=tuple(completion.token_ids),
+                    num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=produced,
+                    finish_reason=(completion.finish_reason or "stop") if out.finished else None,
+                    kv_transfer_params=getattr(out, "kv_transfer_params", None),
+                )
+        finally:
+            # AsyncLLM aborts a request whose generator is closed early; count it here.
+            if finished:
+                self._finished_total += 1
+            else:
+                self._aborted_total += 1
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        s = self._scheduler
+        return EngineStats(
+            replica_id=self._spec.replica_id, pool=self._spec.pool, num_running=s.num_running,
+            num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
+            num_aborted_total=self._aborted_total, num_finished_total=self._finished_total,
+        )
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+
+def _on_cpu(spec: EngineSpec) -> bool:
+    device = spec.config.engine.device
+    if device != "auto":
+        return device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _set_cpu_environment(spec: EngineSpec) -> None:
+    """vLLM's CPU backend reads its thread binding from the environment; set it from config.
+
+    Without a binding it runs on one core. This actor process hosts only this engine, and the
+    EngineCore subprocess inherits the variable.
+    """
+    cores = spec.config.engine.cpu_threads or f"0-{(os.cpu_count() or 1) - 1}"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
+
+
+def _engine_args(spec: EngineSpec, on_cpu: bool) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    model, engine = spec.config.model, spec.config.engine
+    dtype = model.dtype
+    if dtype == "auto" and on_cpu:
+        dtype = "float32"  # bf16 prefill was 5x slower than fp32 on the CPU backend
+    kv_bytes = engine.kv_cache_memory_bytes or (_DEFAULT_CPU_KV_BYTES if on_cpu else None)
+    kwargs: dict[str, Any] = dict(
+        model=spec.model_path, served_model_name=spec.served_name, dtype=dtype,
+        max_model_len=model.max_model_len, load_format=model.load_format,
+        trust_remote_code=model.trust_remote_code,
+        enforce_eager=engine.enforce_eager if engine.enforce_eager is not None else on_cpu,
+        max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
+        enable_prefix_caching=engine.enable_prefix_caching,
+        tensor_parallel_size=engine.tensor_parallel_size, seed=engine.seed,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        kv_cache_memory_bytes=kv_bytes,
+        disable_log_stats=False,  # per-request timings and scheduler stats need it
+    )
+    kwargs.update(engine.extra_engine_args)
+    return AsyncEngineArgs(**kwargs)
+
+
+def _sampling_params(request: GenerateRequest) -> Any:
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    s = request.sampling
+    extra = {"kv_transfer_params": request.kv_transfer_params} if request.kv_transfer_params else None
+    return SamplingParams(
+        n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+        stop=list(s.stop) or None, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, ignore_eos=s.ignore_eos,
+        output_kind=RequestOutputKind.DELTA, extra_args=extra,
+    )

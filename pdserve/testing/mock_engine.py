@@ -1,0 +1,160 @@
+"""A model-free engine whose timings follow a simple latency model.
+
+It implements the same `Engine` protocol as the vLLM adapter, so everything above the engine
+(actors, routing, the HTTP API, scaling) can be exercised on any machine in milliseconds.
+
+Latency model: a request's prefill takes `prompt_tokens / prefill_tokens_per_s`; prefills run
+one at a time (an engine step is compute-bound). Each decode step produces one token for every
+running request and takes `decode_step_s + decode_step_per_seq_s * batch`. Output token ids are
+a deterministic function of the prompt, so "greedy" output is reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pdserve.config.schema import MockEngineConfig
+from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
+
+# Token id the mock treats as end-of-sequence (never produced unless asked for).
+_VOCAB_SIZE = 32000
+
+
+@dataclass(slots=True)
+class _Running:
+    request: GenerateRequest
+    queue: asyncio.Queue[GenerateDelta | None] = field(default_factory=asyncio.Queue)
+    output: list[int] = field(default_factory=list)
+    text: str = ""
+    aborted: bool = False
+    finished: bool = False
+
+
+class MockEngine:
+    def __init__(self, replica_id: str, pool: str, model: str, settings: MockEngineConfig) -> None:
+        self._replica_id = replica_id
+        self._pool = pool
+        self._model = model
+        self._settings = settings
+        self._waiting: dict[str, _Running] = {}
+        self._running: dict[str, _Running] = {}
+        self._prefill_lock = asyncio.Lock()
+        self._decode_task: asyncio.Task[None] | None = None
+        self._aborted_total = 0
+        self._finished_total = 0
+
+    async def start(self) -> EngineInfo:
+        self._decode_task = asyncio.get_running_loop().create_task(self._decode_loop())
+        return EngineInfo(
+            replica_id=self._replica_id, pool=self._pool, model=self._model,
+            max_model_len=self._settings.max_model_len, block_size=self._settings.block_size,
+            num_kv_blocks=self._settings.num_kv_blocks,
+        )
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        state = _Running(request)
+        self._waiting[request.request_id] = state
+        try:
+            await self._prefill(state)
+            while (delta := await state.queue.get()) is not None:
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            self._forget(state)
+
+    async def abort(self, request_id: str) -> None:
+        state = self._running.get(request_id) or self._waiting.get(request_id)
+        if state is None or state.aborted:
+            return
+        state.aborted = True
+        self._running.pop(request_id, None)
+        self._waiting.pop(request_id, None)
+        state.queue.put_nowait(self._delta(state, (), "", "abort"))
+
+    def stats(self) -> EngineStats:
+        used = sum(self._blocks(s) for s in self._running.values())
+        return EngineStats(
+            replica_id=self._replica_id, pool=self._pool, num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            kv_cache_usage=min(1.0, used / self._settings.num_kv_blocks),
+            num_aborted_total=self._aborted_total, num_finished_total=self._finished_total,
+        )
+
+    async def shutdown(self) -> None:
+        if self._decode_task is not None:
+            self._decode_task.cancel()
+            await asyncio.gather(self._decode_task, return_exceptions=True)
+
+    async def _prefill(self, state: _Running) -> None:
+        async with self._prefill_lock:
+            if state.aborted:
+                return
+            n = len(state.request.prompt_token_ids)
+            await asyncio.sleep(n / self._settings.prefill_tokens_per_s)
+            if state.aborted:
+                return
+            self._waiting.pop(state.request.request_id, None)
+            self._running[state.request.request_id] = state
+            self._emit(state)  # the first token comes out of the prefill step
+
+    async def _decode_loop(self) -> None:
+        while True:
+            batch = [s for s in self._running.values() if not s.aborted]
+            step = self._settings.decode_step_s + self._settings.decode_step_per_seq_s * len(batch)
+            await asyncio.sleep(step if batch else 0.002)
+            for state in batch:
+                if not state.aborted and state.request.request_id in self._running:
+                    self._emit(state)
+
+    def _emit(self, state: _Running) -> None:
+        token = self._next_token(state)
+        state.output.append(token)
+        piece = f" t{token}"
+        text_before = state.text
+        state.text += piece
+        finish = self._finish_reason(state)
+        if finish == "stop":
+            stop = next(s for s in state.request.sampling.stop if s in state.text)
+            state.text = state.text[: state.text.index(stop)]
+            piece = state.text[len(text_before):]
+        state.queue.put_nowait(self._delta(state, (token,), piece, finish))
+        if finish is not None:
+            state.finished = True
+            self._running.pop(state.request.request_id, None)
+            self._finished_total += 1
+
+    def _finish_reason(self, state: _Running) -> str | None:
+        if any(s in state.text for s in state.request.sampling.stop):
+            return "stop"
+        if len(state.output) >= state.request.sampling.max_tokens:
+            return "length"
+        return None
+
+    def _next_token(self, state: _Running) -> int:
+        prompt = state.request.prompt_token_ids
+        base = sum(prompt) + len(prompt) if prompt else 1
+        return (base * 31 + len(state.output) * 7) % _VOCAB_SIZE
+
+    def _delta(self, state: _Running, ids: tuple[int, ...], text: str, finish: str | None) -> GenerateDelta:
+        return GenerateDelta(
+            request_id=state.request.request_id, text=text, token_ids=ids,
+            num_prompt_tokens=len(state.request.prompt_token_ids),
+            num_output_tokens=len(state.output), finish_reason=finish,
+            kv_transfer_params=state.request.kv_transfer_params if finish else None,
+        )
+
+    def _blocks(self, state: _Running) -> int:
+        tokens = len(state.request.prompt_token_ids) + len(state.output)
+        return math.ceil(tokens / self._settings.block_size)
+
+    def _forget(self, state: _Running) -> None:
+        """The consumer is done with a request: whatever did not finish counts as aborted."""
+        state.aborted = state.aborted or not state.finished
+        self._running.pop(state.request.request_id, None)
+        self._waiting.pop(state.request.request_id, None)
+        if not state.finished:
+            self._aborted_total += 1

@@ -1,0 +1,1 @@
+"""Shared test configuration. Markers are defined once, in pyproject.toml."""
