@@ -49,9 +49,14 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 # gRPC's default 4 MiB message cap would reject a chunk holding one large block; a chunk is at
 # most max(requested chunk, one block), and a block is at most MAX_BLOCK_NBYTES.
 MAX_MESSAGE_BYTES = MAX_BLOCK_NBYTES + (1 << 20)
+# HTTP/2 flow-control window per stream. The default starts small and grows by BDP probing;
+# with 64 MiB the server keeps many chunks in flight. Measured on loopback (2 busy cores, 16 MiB
+# pulls of 512 KiB chunks): ~85 ms per pull with the default, ~40 ms with this.
+STREAM_WINDOW_BYTES = 64 << 20
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
 ]
 # Server threads = concurrent streams served; a prefill worker rarely has more decode peers.
 DEFAULT_SERVER_THREADS = 8

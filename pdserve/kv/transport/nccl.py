@@ -242,8 +242,8 @@ class NcclSource(GrpcSource):
     def _send(self, pair: _Pair, block_ids: list[int]) -> None:
         staging = pair.staging
         deadline = time.monotonic() + pair.timeout_s
-        index = blocks.block_index(block_ids, pair.device)
         with _on_stream(pair):
+            index = blocks.block_index(block_ids, pair.device)  # on the stream that uses it
             for batch in plan(self._region_nbytes, len(block_ids), pair.staging_bytes):
                 for piece, offset in batch:
                     blocks.gather(self.regions[piece.region], index, piece, staging[offset:])
@@ -301,9 +301,9 @@ class NcclSink(GrpcSink):
     def _receive_batches(self, pair: _Pair, transfer: KVTransfer, dst: list[int]) -> None:
         group, staging = pair.live_group(), pair.staging
         deadline = time.monotonic() + pair.timeout_s
-        index = blocks.block_index(dst, pair.device)
         region_nbytes = [r.block_nbytes for r in self.region_infos]
         with _on_stream(pair):
+            index = blocks.block_index(dst, pair.device)
             for batch in plan(region_nbytes, len(dst), pair.staging_bytes):
                 group.recv([staging[: blocks.batch_nbytes(batch)]], 0, 0).wait()
                 for piece, offset in batch:

@@ -27,18 +27,20 @@ REQUEST_IDS = {"grpc": "req-grpc", "nccl": "req-nccl"}
 SRC_IDS = [30, 2, 17, 5, 11, 23, 8, 0]
 
 
-def kv_regions(num_blocks: int, seed: int, *, sink_side: bool = False) -> list[BlockRegion]:
+def kv_regions(num_blocks: int, seed: int, *, sink_side: bool = False, device: str = "cpu") -> list[BlockRegion]:
     """Two layer-like regions; the sink's puts the block dim elsewhere (same block shapes)."""
     generator = torch.Generator().manual_seed(seed)
-    flash = torch.randn(2, num_blocks, 4, 2, 8, generator=generator).half()
-    cpu_like = torch.randn(num_blocks, 2, 4, 16, generator=generator).half()
+    flash = torch.randn(2, num_blocks, 4, 2, 8, generator=generator).half().to(device)
+    cpu_like = torch.randn(num_blocks, 2, 4, 16, generator=generator).half().to(device)
     if sink_side:
         return [BlockRegion(flash.movedim(1, 0).contiguous(), 0), BlockRegion(cpu_like, 0)]
     return [BlockRegion(flash, 1), BlockRegion(cpu_like, 0)]
 
 
-def run_source(conn: Connection, gather_delay_s: float) -> None:
+def run_source(conn: Connection, gather_delay_s: float, device: str = "cpu") -> None:
     """Child process entry point: serve the pinned requests until told to stop."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
     if gather_delay_s:
         original = blocks.gather
 
@@ -55,7 +57,7 @@ def run_source(conn: Connection, gather_delay_s: float) -> None:
 
     source = NcclSource(
         LAYOUT,
-        kv_regions(NUM_BLOCKS, SOURCE_SEED),
+        kv_regions(NUM_BLOCKS, SOURCE_SEED, device=device),
         engine_id="prefill-proc",
         cluster_token=TOKEN,
         on_release=report,

@@ -23,10 +23,10 @@ WAIT_S = 20.0
 
 
 @contextmanager
-def source_process(gather_delay_s: float = 0.0) -> Iterator[tuple[str, multiprocessing.Process, object]]:
+def source_process(gather_delay_s: float = 0.0, device: str = "cpu") -> Iterator[tuple[str, multiprocessing.Process, object]]:
     context = multiprocessing.get_context("spawn")
     parent_end, child_end = context.Pipe()
-    process = context.Process(target=kv_peer.run_source, args=(child_end, gather_delay_s), daemon=True)
+    process = context.Process(target=kv_peer.run_source, args=(child_end, gather_delay_s, device), daemon=True)
     process.start()
     try:
         assert parent_end.poll(STARTUP_S), "source process did not start"
@@ -50,11 +50,22 @@ def make_sink(kind: str, regions, small_pieces: bool = False) -> BlockSink:
 
 
 def test_pulls_across_processes_move_the_exact_bytes():
+    pull_from_another_process(source_device="cpu", sink_device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_pulls_between_two_gpus_move_the_exact_bytes():
+    torch.cuda.set_device("cuda:1")
+    pull_from_another_process(source_device="cuda:0", sink_device="cuda:1")
+
+
+def pull_from_another_process(source_device: str, sink_device: str) -> None:
     expected = kv_peer.kv_regions(kv_peer.NUM_BLOCKS, kv_peer.SOURCE_SEED)
     dst_ids = [19, 0, 7, 3, 12, 1, 15, 9]
-    with source_process() as (address, _, pipe):
+    with source_process(device=source_device) as (address, _, pipe):
         for kind, request_id in kv_peer.REQUEST_IDS.items():
-            dst_regions = kv_peer.kv_regions(20, seed=99, sink_side=True)
+            dst_regions = kv_peer.kv_regions(20, seed=99, sink_side=True, device=sink_device)
             sink = make_sink(kind, dst_regions)
             try:
                 transfer = sink.start_pull(address, request_id, kv_peer.SRC_IDS, dst_ids)
@@ -70,7 +81,7 @@ def assert_pulled(expected, dst_regions, dst_ids, kind) -> None:
     for src_region, dst_region in zip(expected, dst_regions, strict=True):
         for s, d in zip(kv_peer.SRC_IDS, dst_ids, strict=True):
             want = src_region.tensor.select(src_region.block_dim, s)
-            got = dst_region.tensor.select(dst_region.block_dim, d)
+            got = dst_region.tensor.select(dst_region.block_dim, d).cpu()
             assert torch.equal(want, got), f"{kind}: block {s} -> {d} differs"
 
 

@@ -1,0 +1,265 @@
+"""KV transfer throughput of each pdserve transport beside a raw baseline, in the same run.
+
+    python benchmarks/transfer_bench.py [--sizes-mib 16,64,256] [--repeats 5] [--out results.json]
+
+A spawned child process plays the prefill worker: an NcclSource (which also serves gRPC pulls)
+over Llama-3.1-8B-shaped KV (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB per token). This
+process plays the decode worker and pulls a random, non-contiguous set of blocks whose total size
+is each requested size, through:
+  - grpc: GrpcSink (chunked server stream)       baseline: raw TCP socket copy on loopback
+  - nccl: NcclSink (gloo on CPU, NCCL on CUDA)    baseline: raw socket (CPU), `tensor.to('cuda:1')` (2 GPUs)
+  - fake: in-process memcpy through FakeSink      (no network; an upper bound of gather + scatter)
+With two or more GPUs the source's KV lives on cuda:0 and the sink's on cuda:1 (vLLM GPU layout
+per layer [2, num_blocks, 16, 8, 128]); otherwise on CPU (CPU vLLM layout [num_blocks, 8, 128, 256]).
+Each figure is the median of `--repeats` timed pulls after one warm-up pull (handshake, pair
+setup), timed from start_pull to DONE. Not a test: nothing asserts on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing
+import platform
+import random
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
+
+from pdserve.kv.transport.base import BlockRegion, KVLayoutSpec, TransferState  # noqa: E402
+from pdserve.kv.transport.fake import FakeFabric, FakeSink, FakeSource  # noqa: E402
+from pdserve.kv.transport.grpc import GrpcSink  # noqa: E402
+from pdserve.kv.transport.nccl import DEFAULT_STAGING_BYTES, NcclSink, NcclSource  # noqa: E402
+
+TOKEN = "bench-token"
+LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
+# vLLM's block size: 16 tokens on GPU backends, 128 on the CPU backend.
+GPU_BLOCK_TOKENS, CPU_BLOCK_TOKENS = 16, 128
+# Source and sink hold this many times the largest pull, so pulls pick scattered blocks.
+KV_SLACK = 1.25
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """Where the KV lives and how one layer's tensor is laid out."""
+
+    source_device: str
+    sink_device: str
+    block_tokens: int
+
+    def layout(self) -> KVLayoutSpec:
+        kind = "vllm-gpu:[2,nb,bs,h,d]" if self.block_tokens == GPU_BLOCK_TOKENS else "vllm-cpu:[nb,h,bs,2d]"
+        return KVLayoutSpec("meta-llama/Llama-3.1-8B", "bfloat16", self.block_tokens, kind, 1, 0, LAYERS)
+
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers."""
+        return self.block_tokens * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
+
+    def regions(self, num_blocks: int, device: str) -> list[BlockRegion]:
+        if self.block_tokens == GPU_BLOCK_TOKENS:
+            shape, block_dim = (2, num_blocks, self.block_tokens, KV_HEADS, HEAD_DIM), 1
+        else:
+            shape, block_dim = (num_blocks, KV_HEADS, self.block_tokens, 2 * HEAD_DIM), 0
+        return [BlockRegion(torch.randn(shape, dtype=torch.bfloat16, device=device), block_dim) for _ in range(LAYERS)]
+
+
+def pick_shape(device: str) -> Shape:
+    """cuda:0 -> cuda:1 when asked for (or by default when two GPUs exist), else CPU."""
+    two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    if device == "cuda" or (device == "auto" and two_gpus):
+        if not two_gpus:
+            raise SystemExit("--device cuda needs two GPUs")
+        return Shape("cuda:0", "cuda:1", GPU_BLOCK_TOKENS)
+    return Shape("cpu", "cpu", CPU_BLOCK_TOKENS)
+
+
+def run_source(conn, shape: Shape, num_blocks: int, staging_bytes: int) -> None:  # noqa: ANN001 - child entry
+    """Child process: an NcclSource over `num_blocks` blocks; pins and raw-socket sends on request."""
+    if shape.source_device.startswith("cuda"):
+        torch.cuda.set_device(shape.source_device)
+    source = NcclSource(shape.layout(), shape.regions(num_blocks, shape.source_device),
+                        engine_id="bench-prefill", cluster_token=TOKEN, staging_bytes=staging_bytes)
+    conn.send(source.address)
+    while (command := conn.recv())[0] != "stop":
+        if command[0] == "pin":
+            source.pin(command[1], command[2])
+        elif command[0] == "socket":
+            _socket_send(command[1], command[2], command[3])
+        conn.send("ok")
+    source.close()
+
+
+def _socket_send(port: int, nbytes: int, repeats: int) -> None:
+    payload = torch.empty(nbytes, dtype=torch.uint8)
+    view = memoryview((ctypes.c_char * nbytes).from_address(payload.data_ptr())).cast("B")
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        for _ in range(repeats):
+            conn.recv(1)
+            conn.sendall(view)
+
+
+class Bench:
+    """The decode side: pulls through each sink and times the baselines."""
+
+    def __init__(self, args: argparse.Namespace, shape: Shape, num_blocks: int):
+        self.args, self.shape, self.num_blocks = args, shape, num_blocks
+        self.rng = random.Random(0)
+        context = multiprocessing.get_context("spawn")
+        self.pipe, child_end = context.Pipe()
+        staging_bytes = args.staging_mib << 20
+        self.child = context.Process(target=run_source, args=(child_end, shape, num_blocks, staging_bytes), daemon=True)
+        self.child.start()
+        self.address = self.pipe.recv()
+        self.dst_regions = shape.regions(num_blocks, shape.sink_device)
+        self.pulls = 0
+
+    def command(self, *command: object) -> None:
+        self.pipe.send(command)
+        assert self.pipe.recv() == "ok"
+
+    def time_pulls(self, sink, blocks_per_pull: int, address: str, pin) -> list[float]:  # noqa: ANN001
+        """Seconds of each timed pull (after one warm-up)."""
+        seconds = []
+        for attempt in range(self.args.repeats + 1):
+            self.pulls += 1
+            request_id = f"bench-{self.pulls}"
+            src = self.rng.sample(range(self.num_blocks), blocks_per_pull)
+            dst = self.rng.sample(range(self.num_blocks), blocks_per_pull)
+            pin(request_id, src)
+            transfer = sink.start_pull(address, request_id, src, dst)
+            if transfer.wait(300) is not TransferState.DONE:
+                raise RuntimeError(f"pull failed: {transfer}")
+            if attempt:
+                seconds.append(transfer.elapsed_s)
+        return seconds
+
+    def socket_baseline(self, nbytes: int) -> list[float]:
+        """Raw loopback TCP: the child sends nbytes from memory, we recv_into a buffer."""
+        target = torch.empty(nbytes, dtype=torch.uint8)
+        view = memoryview((ctypes.c_char * nbytes).from_address(target.data_ptr())).cast("B")
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            self.pipe.send(("socket", server.getsockname()[1], nbytes, self.args.repeats + 1))
+            conn, _ = server.accept()
+            seconds = []
+            with conn:
+                for attempt in range(self.args.repeats + 1):
+                    started = time.perf_counter()
+                    conn.sendall(b"g")
+                    received = 0
+                    while received < nbytes:
+                        received += conn.recv_into(view[received:], nbytes - received)
+                    if attempt:
+                        seconds.append(time.perf_counter() - started)
+        assert self.pipe.recv() == "ok"
+        return seconds
+
+    def peer_copy_baseline(self, nbytes: int) -> list[float]:
+        """torch peer copy cuda:0 -> cuda:1 of one contiguous buffer."""
+        source = torch.empty(nbytes, dtype=torch.uint8, device=self.shape.source_device)
+        seconds = []
+        for attempt in range(self.args.repeats + 1):
+            torch.cuda.synchronize(self.shape.source_device)
+            started = time.perf_counter()
+            source.to(self.shape.sink_device)
+            torch.cuda.synchronize(self.shape.sink_device)
+            if attempt:
+                seconds.append(time.perf_counter() - started)
+        return seconds
+
+    def close(self) -> None:
+        self.pipe.send(("stop",))
+        self.child.join(30)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    transport: str
+    size_bytes: int
+    seconds: list[float]
+    baseline_of: str = ""
+
+    @property
+    def gbps(self) -> float:
+        return self.size_bytes / statistics.median(self.seconds) / 1e9
+
+
+def run(args: argparse.Namespace) -> tuple[Shape, list[Result]]:
+    shape = pick_shape(args.device)
+    sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
+    num_blocks = int(max(sizes) / shape.block_bytes() * KV_SLACK) + 1
+    bench = Bench(args, shape, num_blocks)
+    layout, results = shape.layout(), []
+    sinks = {
+        "grpc": GrpcSink(layout, bench.dst_regions, engine_id="bench-decode-grpc", cluster_token=TOKEN),
+        "nccl": NcclSink(layout, bench.dst_regions, engine_id="bench-decode-nccl", cluster_token=TOKEN),
+    }
+    remote_pin = lambda rid, ids: bench.command("pin", rid, ids)  # noqa: E731
+    fabric = FakeFabric()
+    fake_source = FakeSource(layout, shape.regions(num_blocks, shape.source_device), engine_id="fake-prefill",
+                             cluster_token=TOKEN, fabric=fabric)
+    fake_sink = FakeSink(layout, bench.dst_regions, engine_id="fake-decode", cluster_token=TOKEN, fabric=fabric)
+    try:
+        for size in sizes:
+            blocks_per_pull = max(1, size // shape.block_bytes())
+            nbytes = blocks_per_pull * shape.block_bytes()
+            for name, sink in sinks.items():
+                results.append(Result(name, nbytes, bench.time_pulls(sink, blocks_per_pull, bench.address, remote_pin)))
+            results.append(Result("fake", nbytes, bench.time_pulls(fake_sink, blocks_per_pull, fake_source.address,
+                                                                   fake_source.pin)))
+            results.append(Result("raw-socket", nbytes, bench.socket_baseline(nbytes), "grpc, gloo"))
+            if shape.source_device.startswith("cuda"):
+                results.append(Result("peer-copy", nbytes, bench.peer_copy_baseline(nbytes), "nccl"))
+            print_rows(results[-5:] if shape.source_device.startswith("cuda") else results[-4:], shape)
+    finally:
+        for sink in [*sinks.values(), fake_sink]:
+            sink.close()
+        fake_source.close()
+        bench.close()
+    return shape, results
+
+
+def print_rows(rows: list[Result], shape: Shape) -> None:
+    for row in rows:
+        name = row.transport if row.transport != "nccl" or shape.source_device.startswith("cuda") else "nccl(gloo)"
+        note = f"baseline for {row.baseline_of}" if row.baseline_of else ""
+        print(f"{name:<12} {row.size_bytes / 2**20:>9.0f} {statistics.median(row.seconds) * 1e3:>10.2f} "
+              f"{row.gbps:>8.2f}  {note}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mib", default="16,64,256", help="comma-separated pull sizes in MiB")
+    parser.add_argument("--repeats", type=int, default=5, help="timed pulls per transport and size")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where the KV lives (auto: two GPUs if present, else CPU)")
+    parser.add_argument("--staging-mib", type=int, default=DEFAULT_STAGING_BYTES >> 20,
+                        help="NCCL/gloo staging buffer per pair (the batch size of one send)")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args()
+    shape = pick_shape(args.device)
+    print(f"KV on {shape.source_device} -> {shape.sink_device}, {shape.block_tokens}-token blocks "
+          f"({shape.block_bytes() >> 10} KiB per block, 128 KiB per token), torch {torch.__version__}")
+    print(f"{'transport':<12} {'size MiB':>9} {'median ms':>10} {'GB/s':>8}")
+    shape, results = run(args)
+    if args.out:
+        payload = {
+            "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "shape": asdict(shape), "repeats": args.repeats, "staging_mib": args.staging_mib,
+            "results": [dict(asdict(r), gbps_median=r.gbps) for r in results],
+        }
+        args.out.write_text(json.dumps(payload, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
