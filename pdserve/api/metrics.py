@@ -49,6 +49,13 @@ class ServingMetrics:
                              ["pool"], registry=r)
         self.kv_usage = Gauge("pdserve_kv_cache_usage_ratio", "KV cache blocks in use (0 to 1).",
                               ["pool", "replica"], registry=r)
+        self.engine_aborted = Gauge("pdserve_engine_aborted_requests",
+                                    "Requests an engine ended early (client gone, abort), "
+                                    "cumulative since the engine started.",
+                                    ["pool", "replica"], registry=r)
+        self.engine_finished = Gauge("pdserve_engine_finished_requests",
+                                     "Requests an engine completed, cumulative since it started.",
+                                     ["pool", "replica"], registry=r)
         self.engines_up = Gauge("pdserve_engines_healthy", "Engines answering stats calls.",
                                 ["pool"], registry=r)
 
@@ -73,6 +80,8 @@ class ServingMetrics:
             waiting[s.pool] = waiting.get(s.pool, 0) + s.num_waiting
             healthy[s.pool] = healthy.get(s.pool, 0) + 1
             self.kv_usage.labels(s.pool, s.replica_id).set(s.kv_cache_usage)
+            self.engine_aborted.labels(s.pool, s.replica_id).set(s.num_aborted_total)
+            self.engine_finished.labels(s.pool, s.replica_id).set(s.num_finished_total)
         for pool in running:
             self.running.labels(pool).set(running[pool])
             self.waiting.labels(pool).set(waiting[pool])

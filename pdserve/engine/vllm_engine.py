@@ -91,26 +91,28 @@ class VllmEngine:
 
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         produced = 0
-        finished = False
+        finish_reason = None
         try:
             async for out in self._llm.generate(prompt, _sampling_params(request),
                                                 request.request_id):
                 completion = out.outputs[0]
                 produced += len(completion.token_ids)
-                finished = out.finished
+                if out.finished:
+                    finish_reason = completion.finish_reason or "stop"
                 yield GenerateDelta(
                     request_id=request.request_id, text=completion.text,
                     token_ids=tuple(completion.token_ids),
                     num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=produced,
-                    finish_reason=(completion.finish_reason or "stop") if out.finished else None,
+                    finish_reason=finish_reason,
                     kv_transfer_params=getattr(out, "kv_transfer_params", None),
                 )
         finally:
-            # AsyncLLM aborts a request whose generator is closed early; count it here.
-            if finished:
-                self._finished_total += 1
-            else:
+            # AsyncLLM aborts a request whose generator is closed early; an explicit abort
+            # ends the stream with finish_reason "abort". Both count as aborted.
+            if finish_reason in (None, "abort"):
                 self._aborted_total += 1
+            else:
+                self._finished_total += 1
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

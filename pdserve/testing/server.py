@@ -1,0 +1,83 @@
+"""Start `pdserve serve` as a real subprocess (tests, benchmarks), and stop it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 60) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGINT)  # the service releases engines and Ray on SIGINT
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_server(args: list[str], log_path: Path, start_timeout_s: float = 600) -> RunningServer:
+    port = free_port()
+    log = log_path.open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "serve", "--port", str(port), *args],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    server = RunningServer(process, port, log_path)
+    deadline = time.monotonic() + start_timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"pdserve exited with {process.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    server.stop()
+    raise RuntimeError(f"pdserve did not become healthy in {start_timeout_s} s:\n{server.log_tail()}")
+
+
+def metric_value(metrics_text: str, name: str, **labels: str) -> float | None:
+    """The value of the Prometheus sample `name` whose labels include `labels`, or None."""
+    for line in metrics_text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        sample_name, _, label_text = series.partition("{")
+        if sample_name != name:
+            continue
+        pairs = dict(
+            item.split("=", 1) for item in label_text.rstrip("}").split(",") if "=" in item
+        )
+        if all(pairs.get(k) == f'"{v}"' for k, v in labels.items()):
+            return float(value)
+    return None
