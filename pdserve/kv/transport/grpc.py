@@ -13,7 +13,6 @@ are copied into tensors, never unpickled. The channel itself is plaintext (no TL
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import secrets
 import threading
@@ -149,8 +148,7 @@ class GrpcSource(BlockSource):
             device = region.tensor.device
             if device not in indexes:
                 indexes[device] = blocks.block_index(block_ids, device)
-            data = blocks.gather(region, indexes[device], piece).cpu()
-            payload = ctypes.string_at(data.data_ptr(), piece.nbytes)
+            payload = blocks.gather_bytes(region, indexes[device], piece)
             yield pb.BlockChunk(region=piece.region, block_offset=piece.first, block_count=piece.count, data=payload)
 
 
@@ -356,19 +354,13 @@ class GrpcSink(BlockSink):
 
     def _receive(self, stream: Iterator[pb.BlockChunk], transfer: KVTransfer, dst: list[int]) -> None:
         indexes: dict[torch.device, torch.Tensor] = {}
-        staging = torch.empty(0, dtype=torch.uint8)
         for chunk in stream:
             piece = self._piece_of(chunk, len(dst))
             region = self.regions[piece.region]
-            if staging.numel() < piece.nbytes:
-                staging = torch.empty(piece.nbytes, dtype=torch.uint8)
-            # One copy out of the message's immutable bytes; torch.frombuffer would alias them
-            # but warns about non-writable memory.
-            ctypes.memmove(staging.data_ptr(), chunk.data, piece.nbytes)
             device = region.tensor.device
             if device not in indexes:
                 indexes[device] = blocks.block_index(dst, device)
-            blocks.scatter(region, indexes[device], piece, staging)
+            blocks.scatter_bytes(region, indexes[device], piece, chunk.data)
             transfer.add_bytes(piece.nbytes)
         for device in indexes:
             if device.type == "cuda":

@@ -42,13 +42,8 @@ def run_source(conn: Connection, gather_delay_s: float, device: str = "cpu") -> 
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     if gather_delay_s:
-        original = blocks.gather
-
-        def slow(*args: object, **kwargs: object) -> torch.Tensor:
-            threading.Event().wait(gather_delay_s)
-            return original(*args, **kwargs)
-
-        blocks.gather = slow
+        for name in ("gather", "gather_bytes"):
+            setattr(blocks, name, _delayed(getattr(blocks, name), gather_delay_s))
     lock = threading.Lock()
 
     def report(request_id: str, reason: ReleaseReason) -> None:
@@ -74,3 +69,11 @@ def run_source(conn: Connection, gather_delay_s: float, device: str = "cpu") -> 
         pass
     finally:
         source.close()
+
+
+def _delayed(function, delay_s: float):  # noqa: ANN001, ANN202 - test helper
+    def slow(*args: object, **kwargs: object) -> object:
+        threading.Event().wait(delay_s)
+        return function(*args, **kwargs)
+
+    return slow

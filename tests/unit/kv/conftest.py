@@ -6,7 +6,6 @@ import threading
 from collections.abc import Callable, Iterator
 
 import pytest
-import torch
 
 from kv_helpers import TRANSPORTS, TransportFactory
 from pdserve.kv.transport import blocks
@@ -25,12 +24,15 @@ def slow_gather(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
     """Makes every transport's per-piece gather sleep first, so a test can act mid-pull."""
 
     def install(delay_s: float) -> None:
-        original = blocks.gather
-
-        def slow(*args: object, **kwargs: object) -> torch.Tensor:
-            threading.Event().wait(delay_s)
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(blocks, "gather", slow)
+        for name in ("gather", "gather_bytes"):
+            monkeypatch.setattr(blocks, name, _delayed(getattr(blocks, name), delay_s))
 
     return install
+
+
+def _delayed(function: Callable[..., object], delay_s: float) -> Callable[..., object]:
+    def slow(*args: object, **kwargs: object) -> object:
+        threading.Event().wait(delay_s)
+        return function(*args, **kwargs)
+
+    return slow

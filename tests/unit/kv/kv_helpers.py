@@ -27,24 +27,27 @@ WAIT_S = 15.0
 
 
 def kv_regions(num_blocks: int, *, seed: int, sink_side: bool = False) -> list[BlockRegion]:
-    """Three layer-like regions whose blocks have the same shapes on both sides but sit in
-    differently laid out tensors: block dim first, block dim second, and a strided view."""
+    """Four layer-like regions whose blocks have the same shapes on both sides but sit in
+    differently laid out tensors (block dim first or second, strided views, a transposed block),
+    so both the memmove path and the torch path of blocks.py are exercised on CPU."""
     generator = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(dtype)
 
     if not sink_side:
-        gpu_like = BlockRegion(rand(2, num_blocks, 4, 2, 8, dtype=torch.float16), block_dim=1)
-        first = BlockRegion(rand(num_blocks, 2, 4, 2, 8, dtype=torch.float16), block_dim=0)
-    else:  # same block shapes, block dim swapped: the wire form must not care
-        gpu_like = BlockRegion(rand(num_blocks, 2, 4, 2, 8, dtype=torch.float16), block_dim=0)
-        first = BlockRegion(rand(2, num_blocks, 4, 2, 8, dtype=torch.float16), block_dim=1)
+        gpu_like = BlockRegion(rand(2, num_blocks, 4, 2, 64, dtype=torch.float16), block_dim=1)
+        first = BlockRegion(rand(num_blocks, 2, 4, 2, 64, dtype=torch.float16), block_dim=0)
+        transposed = BlockRegion(rand(num_blocks, 16, 4, dtype=torch.float32).transpose(1, 2), block_dim=0)
+    else:  # same block shapes, other layouts: the wire form must not care
+        gpu_like = BlockRegion(rand(num_blocks, 2, 4, 2, 64, dtype=torch.float16), block_dim=0)
+        first = BlockRegion(rand(2, num_blocks, 4, 2, 64, dtype=torch.float16), block_dim=1)
+        transposed = BlockRegion(rand(num_blocks, 4, 16, dtype=torch.float32), block_dim=0)
     # CPU-vLLM-like layer: [num_blocks, kv_heads, block_size, 2*head_dim], a view into a buffer
     # shared by layers (here a non-contiguous slice of it).
-    shared = rand(num_blocks, 2, 3, 4, 16, dtype=torch.bfloat16)
+    shared = rand(num_blocks, 2, 3, 4, 32, dtype=torch.bfloat16)
     cpu_like = BlockRegion(shared[:, 1], block_dim=0)
-    return [gpu_like, first, cpu_like]
+    return [gpu_like, first, cpu_like, transposed]
 
 
 def block_bytes(region: BlockRegion, block: int) -> torch.Tensor:

@@ -49,3 +49,28 @@ def test_scatter_writes_through_a_strided_view():
     blocks.scatter(layer, blocks.block_index([5, 0], torch.device("cpu")), piece, data)
     assert buffer[5, 1].tolist() == [0, 1, 2, 3] and buffer[0, 1].tolist() == [4, 5, 6, 7]
     assert buffer[:, 0].abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    ("tensor", "block_dim"),
+    [
+        (torch.randn(2, 6, 16, 2, 32).half(), 1),  # GPU-style [2, blocks, ...]: two runs per block
+        (torch.randn(6, 3, 2, 4, 64).bfloat16()[:, 1], 0),  # one layer of a shared CPU buffer
+        (torch.randn(6, 64, 8).transpose(1, 2), 0),  # no long runs: the torch path
+    ],
+)
+def test_cpu_fast_path_and_torch_path_agree_on_the_wire_form(tensor, block_dim):
+    region = BlockRegion(tensor, block_dim)
+    ids = [4, 0, 5]
+    nbytes = region.info().block_nbytes
+    piece = blocks.Piece(region=0, first=0, count=3, nbytes=3 * nbytes)
+    index = blocks.block_index(ids, torch.device("cpu"))
+    expected = torch.cat([tensor.select(block_dim, b).contiguous().reshape(-1).view(torch.uint8) for b in ids])
+
+    assert torch.equal(blocks.gather(region, index, piece), expected)
+    assert blocks.gather_bytes(region, index, piece) == bytes(expected.tolist())
+
+    target = BlockRegion(torch.zeros_like(tensor), block_dim)
+    blocks.scatter_bytes(target, index, piece, bytes(expected.tolist()))
+    for b in ids:
+        assert torch.equal(target.tensor.select(block_dim, b), tensor.select(block_dim, b))

@@ -66,7 +66,7 @@ def test_concurrent_pulls_all_complete(kv_transport):
 
 
 def test_start_pull_returns_before_the_data_moves(kv_transport, slow_gather):
-    slow_gather(0.3)  # the source needs at least 0.3 s per piece
+    slow_gather(0.1)  # the source needs at least 0.1 s for each of its several pieces
     source, sink = kv_transport.source(kv_regions(8, seed=7)), kv_transport.sink(kv_regions(8, seed=8, sink_side=True))
     source.pin("req-1", [1, 2])
     transfer = sink.start_pull(source.address, "req-1", [1, 2], [3, 4])
