@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import socket
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -86,6 +87,8 @@ class GrpcSource(BlockSource):
         advertise_host: str | None = None,
         server_threads: int = DEFAULT_SERVER_THREADS,
     ):
+        """Binds `host:port` (port 0 picks a free one) and starts serving; `advertise_host` is
+        the host sinks dial (default: `host`, or this machine's IP for a wildcard bind)."""
         super().__init__(
             layout, regions, engine_id=engine_id, cluster_token=cluster_token, on_release=on_release, lease_s=lease_s
         )
@@ -96,10 +99,13 @@ class GrpcSource(BlockSource):
             options=_CHANNEL_OPTIONS,
         )
         pb_grpc.add_KVTransferServicer_to_server(_Servicer(self), self._server)
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        try:
+            bound = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            bound = 0
         if bound == 0:
             raise KVTransportError(f"could not bind the KV gRPC server to {host}:{port}")
-        self.host = advertise_host or host
+        self.host = advertise_host or _reachable_host(host)
         self.port = bound
         self._server.start()
 
@@ -152,6 +158,13 @@ class GrpcSource(BlockSource):
             yield pb.BlockChunk(region=piece.region, block_offset=piece.first, block_count=piece.count, data=payload)
 
 
+def _reachable_host(bind_host: str) -> str:
+    """The host to advertise for a bind address: a wildcard bind advertises this machine's IP."""
+    if bind_host in ("", "0.0.0.0", "::", "[::]"):
+        return socket.gethostbyname(socket.gethostname())
+    return bind_host
+
+
 class _Servicer(pb_grpc.KVTransferServicer):
     """Adapts gRPC calls to a GrpcSource; runs on the server's thread pool."""
 
@@ -159,6 +172,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
         self._source = source
 
     def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext) -> pb.HandshakeResponse:
+        """Once per sink and source: checks the sink's hello; refusals carry the reason."""
         try:
             reply = self._source.accept_hello(wire.hello_from_message(request))
         except KVTransportError as exc:
@@ -170,6 +184,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
         return wire.hello_to_response(reply, session_id, regions)
 
     def PullBlocks(self, request: pb.PullBlocksRequest, context: grpc.ServicerContext) -> Iterator[pb.BlockChunk]:
+        """Once per gRPC pull: streams the chunks; holds a server thread for the whole stream."""
         self._require_session(context)
         block_ids = list(request.block_ids)
         try:
@@ -186,17 +201,20 @@ class _Servicer(pb_grpc.KVTransferServicer):
             self._source.close_read(request.request_id, release=completed and request.release_after)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        """When a sink gives up on a request: unpins it (fires on_release with REMOTE)."""
         self._require_session(context)
         return pb.ReleaseResponse(released=self._source.release_by_peer(request.request_id))
 
     def SetupCommunicator(
         self, request: pb.SetupCommunicatorRequest, context: grpc.ServicerContext
     ) -> pb.SetupCommunicatorResponse:
+        """Once per NCCL pair: delegates to the source (UNIMPLEMENTED on a plain GrpcSource)."""
         self._require_session(context)
         store_address, params = self._call(context, self._source.serve_setup_communicator, request.pair_id, request.backend)
         return pb.SetupCommunicatorResponse(store_address=store_address, params=params)
 
     def PullBlocksNccl(self, request: pb.PullBlocksNcclRequest, context: grpc.ServicerContext) -> pb.PullBlocksNcclResponse:
+        """Once per NCCL pull: validates and queues the send; returns before any byte moves."""
         self._require_session(context)
         total = self._call(
             context,

@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import grpc
 import msgpack
 import torch
 import torch.distributed as dist
@@ -47,6 +48,8 @@ DEFAULT_STAGING_BYTES = 64 << 20
 # Rendezvous and per-operation timeout of a pair. A receive waits this long for a dead peer
 # before failing the pull; keep it well above the longest pull (~1 s for 256 MiB on gloo).
 DEFAULT_PAIR_TIMEOUT_S = 30.0
+# PullBlocksNccl refusals about the request itself; any other failure also drops the pair.
+_REQUEST_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
 # The pair settings the source sends in SetupCommunicator.params (msgpack), with their types.
 _SETTINGS_KEYS: dict[str, type | tuple[type, ...]] = {"timeout_s": (int, float), "staging_bytes": int}
 
@@ -196,11 +199,12 @@ class NcclSource(GrpcSource):
 
     def serve_pull_nccl(self, pair_id: str, request_id: str, block_ids: list[int], release_after: bool) -> int:
         """Server thread, once per pull: checks the pin and queues the send. Returns the bytes
-        that will be sent; raises LookupError/ValueError (unknown pair, request or block)."""
+        that will be sent; raises KVTransportError (unknown pair) or LookupError/ValueError
+        (unknown request or block)."""
         with self._pairs_lock:
             entry = self._pairs.get(pair_id)
-        if entry is None:
-            raise LookupError(f"unknown or broken KV pair {pair_id!r}")
+        if entry is None:  # not the request's fault: the sink must set up a new pair
+            raise KVTransportError(f"unknown or broken KV pair {pair_id!r}")
         self.open_read(request_id, block_ids)
         entry[1].put(_SendJob(request_id, block_ids, release_after))
         return len(block_ids) * sum(self._region_nbytes)
@@ -291,7 +295,12 @@ class NcclSink(GrpcSink):
             request = pb.PullBlocksNcclRequest(
                 pair_id=pair.pair_id, request_id=transfer.request_id, block_ids=src, release_after=release
             )
-            session.stub.PullBlocksNccl(request, timeout=HANDSHAKE_TIMEOUT_S, metadata=session.metadata)
+            try:
+                session.stub.PullBlocksNccl(request, timeout=HANDSHAKE_TIMEOUT_S, metadata=session.metadata)
+            except grpc.RpcError as exc:
+                if exc.code() not in _REQUEST_ERRORS:  # the pair (or the source) is gone
+                    self._drop_pair(address, pair)
+                raise
             try:
                 self._receive_batches(pair, transfer, dst)
             except Exception as exc:
