@@ -25,6 +25,9 @@ _SERVE_FLAGS: dict[str, str] = {
     "device": "engine.device",
     "replicas": "pools.colocated.replicas",
     "mode": "mode",
+    "prefill": "pools.prefill.replicas",
+    "decode": "pools.decode.replicas",
+    "transport": "kv.transport",
     "max_num_seqs": "engine.max_num_seqs",
     "kv_cache_memory_bytes": "engine.kv_cache_memory_bytes",
     "ray_address": "ray.address",
@@ -76,6 +79,10 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--mode", choices=["colocated", "disaggregated"])
     p.add_argument("--replicas", type=int, help="engines in the colocated pool")
+    p.add_argument("--prefill", type=int, help="engines in the prefill pool (disaggregated)")
+    p.add_argument("--decode", type=int, help="engines in the decode pool (disaggregated)")
+    p.add_argument("--transport", choices=["grpc", "nccl"],
+                   help="KV transfer transport (nccl runs over gloo on CPU-only hosts)")
     p.add_argument("--max-num-seqs", type=int, help="most concurrent requests per engine")
     p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size per engine")
     p.add_argument("--ray-address", help="join this Ray cluster ('auto' for the local one)")

@@ -48,6 +48,7 @@ def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        metrics.register_engines(backend.engine_infos())
         poller = asyncio.create_task(_poll_stats(backend, metrics))
         try:
             yield

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pdserve.engine.types import EngineStats
+from pdserve.engine.types import EngineInfo, EngineStats
 
 # Buckets span a fast GPU (TTFT ~20 ms, TPOT ~5 ms) to the 2-core CPU engine (seconds).
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -56,6 +56,8 @@ class ServingMetrics:
         self.engine_finished = Gauge("pdserve_engine_finished_requests",
                                      "Requests an engine completed, cumulative since it started.",
                                      ["pool", "replica"], registry=r)
+        self.engine_info = Gauge("pdserve_engine_info", "One series per engine (value 1).",
+                                 ["pool", "replica", "pid", "node"], registry=r)
         self.engines_up = Gauge("pdserve_engines_healthy", "Engines answering stats calls.",
                                 ["pool"], registry=r)
 
@@ -86,6 +88,10 @@ class ServingMetrics:
             self.running.labels(pool).set(running[pool])
             self.waiting.labels(pool).set(waiting[pool])
             self.engines_up.labels(pool).set(healthy[pool])
+
+    def register_engines(self, infos: Iterable[EngineInfo]) -> None:
+        for info in infos:
+            self.engine_info.labels(info.pool, info.replica_id, str(info.pid), info.node_ip).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

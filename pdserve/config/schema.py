@@ -135,6 +135,30 @@ class PoolsConfig(_Section):
         return getattr(self, role.value)
 
 
+class KVTransferConfig(_Section):
+    """How prefill engines hand KV blocks to decode engines (disaggregated mode)."""
+
+    transport: Literal["grpc", "nccl"] = Field(
+        "grpc", description="'grpc' streams blocks over TCP (any host to any host); 'nccl' sends "
+        "them GPU to GPU over a per-pair communicator (gloo on CPU-only hosts).",
+    )
+    cluster_token: str | None = Field(
+        None, description="Shared secret peers prove at handshake; default: a random token "
+        "generated when the deployment starts.",
+    )
+    lease_s: float = Field(
+        30.0, gt=0, description="Prefill blocks are freed if no decode engine pulls them in time.",
+    )
+    failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="On a failed or timed-out transfer: recompute the prompt on the "
+        "decode engine, or fail the request with an error.",
+    )
+    advertise_host: str | None = Field(
+        None, description="Address prefill workers advertise to decode workers; default: the "
+        "node's IP as Ray sees it.",
+    )
+
+
 class ApiConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the HTTP frontend listens on.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 picks a free one).")
@@ -168,6 +192,7 @@ class PdserveConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     pools: PoolsConfig = Field(default_factory=PoolsConfig)
+    kv: KVTransferConfig = Field(default_factory=KVTransferConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 

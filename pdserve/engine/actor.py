@@ -10,6 +10,7 @@ without touching serving code.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -57,7 +58,8 @@ class EngineActor:
         """Build the engine; called once by the driver, may take minutes."""
         if self._info is None:
             logger.info("starting engine %s (pid %d)", self._spec.replica_id, os.getpid())
-            self._info = await self._engine.start()
+            info = await self._engine.start()
+            self._info = dataclasses.replace(info, pid=os.getpid(), node_ip=_node_ip())
         return self._info
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
@@ -68,6 +70,10 @@ class EngineActor:
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
 
+    async def release_kv(self, request_id: str, kv_transfer_params: dict) -> None:
+        """Free a finished prefill request's pinned KV blocks (no decode leg will pull them)."""
+        await self._engine.release_kv(request_id, kv_transfer_params)
+
     async def stats(self) -> EngineStats:
         return self._engine.stats()
 
@@ -76,3 +82,12 @@ class EngineActor:
 
     async def ping(self) -> str:
         return self._spec.replica_id
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - informational only
+        return ""

@@ -73,4 +73,6 @@ class EngineInfo:
     max_model_len: int
     block_size: int
     num_kv_blocks: int = 0
+    pid: int = 0  # the actor's process, for operators (and failure-injection tests)
+    node_ip: str = ""
     extra: dict[str, Any] = field(default_factory=dict)

@@ -20,6 +20,10 @@ class EngineBackend(Protocol):
         """Facts shared by all engines (model, context length), from the first engine."""
         ...
 
+    def engine_infos(self) -> list[EngineInfo]:
+        """Static facts of every engine (replica id, pid, node)."""
+        ...
+
     @property
     def pools(self) -> tuple[str, ...]:
         """Pool names, for metric labels."""

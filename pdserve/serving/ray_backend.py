@@ -4,7 +4,8 @@ Lifecycle: `RayBackend.launch(config, model)` creates one `EngineActor` per repl
 active pool (placement from the pool's Ray resources), awaits their `start()` in parallel, and
 returns a backend ready to serve. Each request is routed by the pure policy in
 `pdserve.scheduler.routing`, streamed from its engine through a Ray streaming generator, and
-aborted in the engine if its consumer stops early. `shutdown()` stops every engine, each in its
+aborted in the engine if its consumer stops early. In disaggregated mode each request runs as a
+prefill leg and a decode leg (`disaggregated.py`) on engines of the two pools. `shutdown()` stops every engine, each in its
 own try block, and kills the actors.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,12 +21,13 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from pdserve.config.schema import PdserveConfig, PoolRole
+from pdserve.config.schema import PdserveConfig, PoolRole, ServingMode
 from pdserve.engine.actor import EngineActor, EngineSpec
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
 from pdserve.errors import EngineRequestError, EngineStartError, EngineUnavailableError
 from pdserve.models.embedded import ResolvedModel
 from pdserve.scheduler.routing import ReplicaLoad, pick_least_loaded
+from pdserve.serving.disaggregated import generate_disaggregated
 
 logger = logging.getLogger(__name__)
 
@@ -70,19 +73,18 @@ def actor_options(config: PdserveConfig, role: PoolRole, replica_id: str) -> dic
 
 
 class RayBackend:
-    def __init__(self, pools: dict[PoolRole, EnginePool], serving_pool: PoolRole) -> None:
+    def __init__(self, pools: dict[PoolRole, EnginePool], config: PdserveConfig) -> None:
         self._pools = pools
-        self._serving_pool = serving_pool
+        self._config = config
+        self._disaggregated = config.mode is ServingMode.DISAGGREGATED
+        self._serving_pool = PoolRole.DECODE if self._disaggregated else PoolRole.COLOCATED
         first = next(r for p in pools.values() for r in p.replicas)
         assert first.info is not None
         self._info = first.info
 
     @classmethod
     async def launch(cls, config: PdserveConfig, model: ResolvedModel) -> RayBackend:
-        if config.mode.value != "colocated":
-            raise EngineStartError(
-                f"mode {config.mode.value!r} is not available yet; use mode 'colocated'"
-            )
+        config = with_cluster_token(config)
         pools = {role: _create_pool(config, model, role) for role in config.active_roles()}
         replicas = [r for p in pools.values() for r in p.replicas]
         try:
@@ -92,11 +94,14 @@ class RayBackend:
             raise
         for replica, info in zip(replicas, infos, strict=True):
             replica.info = info
-        return cls(pools, PoolRole.COLOCATED)
+        return cls(pools, config)
 
     @property
     def info(self) -> EngineInfo:
         return self._info
+
+    def engine_infos(self) -> list[EngineInfo]:
+        return [r.info for p in self._pools.values() for r in p.replicas if r.info is not None]
 
     @property
     def pools(self) -> tuple[str, ...]:
@@ -106,8 +111,20 @@ class RayBackend:
     def serving_pool(self) -> str:
         return self._serving_pool.value
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        replica = self._route(self._pools[self._serving_pool])
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        if not self._disaggregated:
+            return self._stream(PoolRole.COLOCATED, request)
+        return generate_disaggregated(
+            request,
+            prefill=lambda r: self._stream(PoolRole.PREFILL, r),
+            decode=lambda r: self._stream(PoolRole.DECODE, r),
+            release_prefill=self._release_prefill,
+            failure_policy=self._config.kv.failure_policy,
+        )
+
+    async def _stream(self, role: PoolRole, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        """Stream one request from one engine of `role`'s pool; abort it there if unfinished."""
+        replica = self._route(self._pools[role])
         replica.in_flight += 1
         finished = False
         try:
@@ -144,6 +161,18 @@ class RayBackend:
                 logger.warning("engine %s did not answer stats: %r", replica.replica_id, result)
         return stats
 
+    async def _release_prefill(self, params: dict[str, Any], prefill_request_id: str) -> None:
+        """Free a prefill request's pinned blocks when no decode leg will pull them."""
+        replica = next((r for r in self._pools[PoolRole.PREFILL].replicas
+                        if r.replica_id == params.get("remote_engine_id")), None)
+        if replica is None:
+            return  # unknown engine: its lease frees the blocks
+        try:
+            await replica.actor.release_kv.remote(prefill_request_id, params)
+        except Exception as e:  # noqa: BLE001 - the lease is the backstop
+            logger.warning("release of %s on %s failed (lease will free it): %r",
+                           prefill_request_id, replica.replica_id, e)
+
     def healthy(self) -> bool:
         return all(any(r.healthy for r in p.replicas) for p in self._pools.values())
 
@@ -163,6 +192,14 @@ class RayBackend:
         if chosen is None:
             raise EngineUnavailableError(f"no healthy engine in pool {pool.role.value!r}")
         return next(r for r in pool.replicas if r.replica_id == chosen)
+
+
+def with_cluster_token(config: PdserveConfig) -> PdserveConfig:
+    """Fill in a random cluster token for KV peers when the config does not set one."""
+    if config.kv.cluster_token:
+        return config
+    kv = config.kv.model_copy(update={"cluster_token": secrets.token_hex(16)})
+    return config.model_copy(update={"kv": kv})
 
 
 def _create_pool(config: PdserveConfig, model: ResolvedModel, role: PoolRole) -> EnginePool:

@@ -18,11 +18,15 @@ class InProcessBackend:
         self._engines = list(engines)
         self._pool = pool
         self._info: EngineInfo | None = None
+        self._infos: list[EngineInfo] = []
         self._in_flight: dict[int, int] = {i: 0 for i in range(len(self._engines))}
 
     async def start(self) -> None:
-        infos = [await e.start() for e in self._engines]
-        self._info = infos[0]
+        self._infos = [await e.start() for e in self._engines]
+        self._info = self._infos[0]
+
+    def engine_infos(self) -> list[EngineInfo]:
+        return list(self._infos)
 
     @property
     def info(self) -> EngineInfo:

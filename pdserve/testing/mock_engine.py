@@ -45,6 +45,7 @@ class MockEngine:
         self._decode_task: asyncio.Task[None] | None = None
         self._aborted_total = 0
         self._finished_total = 0
+        self.released_kv: list[str] = []  # prefill requests whose blocks the frontend freed
 
     async def start(self) -> EngineInfo:
         self._decode_task = asyncio.get_running_loop().create_task(self._decode_loop())
@@ -75,6 +76,9 @@ class MockEngine:
         self._waiting.pop(request_id, None)
         state.queue.put_nowait(self._delta(state, (), "", "abort"))
 
+    async def release_kv(self, request_id: str, kv_transfer_params: dict) -> None:
+        self.released_kv.append(request_id)
+
     def stats(self) -> EngineStats:
         used = sum(self._blocks(s) for s in self._running.values())
         return EngineStats(
@@ -93,7 +97,8 @@ class MockEngine:
         async with self._prefill_lock:
             if state.aborted:
                 return
-            n = len(state.request.prompt_token_ids)
+            # A decode leg whose KV arrives from a prefill engine computes one token only.
+            n = 1 if _remote_prefill(state.request) else len(state.request.prompt_token_ids)
             await asyncio.sleep(n / self._settings.prefill_tokens_per_s)
             if state.aborted:
                 return
@@ -135,17 +140,31 @@ class MockEngine:
         return None
 
     def _next_token(self, state: _Running) -> int:
-        prompt = state.request.prompt_token_ids
+        prompt, position = state.request.prompt_token_ids, len(state.output)
+        if _remote_prefill(state.request):
+            # Decode leg of a disaggregated request: the last prompt token is the first output
+            # token, so the continuation equals what a colocated run produces.
+            prompt, position = prompt[:-1], position + 1
         base = sum(prompt) + len(prompt) if prompt else 1
-        return (base * 31 + len(state.output) * 7) % _VOCAB_SIZE
+        return (base * 31 + position * 7) % _VOCAB_SIZE
 
     def _delta(self, state: _Running, ids: tuple[int, ...], text: str, finish: str | None) -> GenerateDelta:
         return GenerateDelta(
             request_id=state.request.request_id, text=text, token_ids=ids,
             num_prompt_tokens=len(state.request.prompt_token_ids),
             num_output_tokens=len(state.output), finish_reason=finish,
-            kv_transfer_params=state.request.kv_transfer_params if finish else None,
+            kv_transfer_params=self._transfer_params(state) if finish else None,
         )
+
+    def _transfer_params(self, state: _Running) -> dict | None:
+        """What a prefill leg hands to its decode leg (shape of the real connector's params)."""
+        params = state.request.kv_transfer_params or {}
+        if not params.get("do_remote_decode"):
+            return None
+        prompt = len(state.request.prompt_token_ids)
+        blocks = math.ceil(prompt / self._settings.block_size)
+        return {"remote_engine_id": self._replica_id, "remote_block_ids": list(range(blocks)),
+                "remote_address": f"mock://{self._replica_id}", "num_prompt_tokens": prompt}
 
     def _blocks(self, state: _Running) -> int:
         tokens = len(state.request.prompt_token_ids) + len(state.output)
@@ -158,3 +177,7 @@ class MockEngine:
         self._waiting.pop(state.request.request_id, None)
         if not state.finished:
             self._aborted_total += 1
+
+
+def _remote_prefill(request: GenerateRequest) -> bool:
+    return bool((request.kv_transfer_params or {}).get("do_remote_prefill"))

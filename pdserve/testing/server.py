@@ -81,3 +81,13 @@ def metric_value(metrics_text: str, name: str, **labels: str) -> float | None:
         if all(pairs.get(k) == f'"{v}"' for k, v in labels.items()):
             return float(value)
     return None
+
+
+def wait_for_metrics(base_url: str, ready, timeout_s: float = 15.0) -> str:  # noqa: ANN001
+    """Scrape /metrics until `ready(text)` holds (engine gauges refresh about once a second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"{base_url}/metrics", timeout=5).text
+        if ready(text) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.25)

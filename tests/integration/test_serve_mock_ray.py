@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from pdserve.testing import tiny_tokenizer
-from pdserve.testing.server import metric_value, start_server
+from pdserve.testing.server import metric_value, start_server, wait_for_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -50,10 +50,11 @@ def test_requests_are_spread_over_both_replicas(server):
     with cf.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda _: complete(server, max_tokens=20), range(8)))
     assert all(r.status_code == 200 for r in results)
-    time.sleep(1.5)  # one stats interval
-    text = httpx.get(f"{server.base_url}/metrics").text
-    served = [metric_value(text, "pdserve_engine_finished_requests", pool="colocated", replica=r)
-              for r in ("colocated-0", "colocated-1")]
+    def finished(text):
+        return [metric_value(text, "pdserve_engine_finished_requests", pool="colocated", replica=r) or 0
+                for r in ("colocated-0", "colocated-1")]
+
+    served = finished(wait_for_metrics(server.base_url, lambda t: sum(finished(t)) >= 8))
     # Least-outstanding routing splits 8 concurrent requests over both engines.
     assert sum(served) == 8 and min(served) >= 2, served
 
