@@ -70,10 +70,6 @@ class EngineActor:
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
 
-    async def release_kv(self, request_id: str, kv_transfer_params: dict) -> None:
-        """Free a finished prefill request's pinned KV blocks (no decode leg will pull them)."""
-        await self._engine.release_kv(request_id, kv_transfer_params)
-
     async def stats(self) -> EngineStats:
         return self._engine.stats()
 

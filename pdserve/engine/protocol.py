@@ -9,7 +9,7 @@ name so tests inject the mock without touching serving code.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Protocol
 
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
 
@@ -28,14 +28,6 @@ class Engine(Protocol):
 
     async def abort(self, request_id: str) -> None:
         """Abort a running request; its stream ends with finish_reason 'abort'. Idempotent."""
-        ...
-
-    async def release_kv(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
-        """Free the KV blocks a finished prefill request keeps for a remote decode. Idempotent.
-
-        Called by the frontend when the first token already ended the request; otherwise the
-        decode engine's pull (or the lease) frees them.
-        """
         ...
 
     def stats(self) -> EngineStats:

@@ -170,8 +170,30 @@ def _engine_args(spec: EngineSpec, on_cpu: bool) -> Any:
         kv_cache_memory_bytes=kv_bytes,
         disable_log_stats=False,  # per-request timings and scheduler stats need it
     )
+    if spec.pool in ("prefill", "decode"):
+        kwargs["kv_transfer_config"] = _kv_transfer_config(spec)
     kwargs.update(engine.extra_engine_args)
     return AsyncEngineArgs(**kwargs)
+
+
+def _kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
+    """pdserve's KV connector for an engine of the prefill or decode pool."""
+    from pdserve.kv.connector.config import kv_transfer_config
+
+    kv = spec.config.kv
+    if not kv.cluster_token:
+        raise ValueError("kv.cluster_token must be set before engines start")
+    return kv_transfer_config(
+        spec.pool, kv.transport, kv.cluster_token, lease_s=kv.lease_s,
+        failure_policy=kv.failure_policy, host=kv.advertise_host or _node_ip(),
+        model_id=spec.served_name, engine_id=spec.replica_id,
+    )
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 def _sampling_params(request: GenerateRequest) -> Any:

@@ -4,7 +4,9 @@ For one request: the prefill engine runs the prompt with max_tokens=1 and keeps 
 blocks; its first token goes to the client at once. The decode engine then gets prompt + first
 token with the prefill side's transfer parameters; its KV connector pulls the blocks and it
 continues from token 2 without recomputing the prompt. When the first token already ends the
-request (EOS, a stop string, max_tokens=1), the prefill side's blocks are released at once.
+request, nothing is left pinned: a stop (EOS or a stop string) makes the prefill engine's
+connector free the blocks itself, and a request for one token is sent without asking the prefill
+engine to keep its blocks at all.
 
 Failures: a prefill engine that dies, or fails the request, is handled by the policy in
 `kv.failure_policy`: `recompute` runs the whole request on the decode engine (it prefills
@@ -17,8 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from contextlib import aclosing
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 from pdserve.engine.types import GenerateDelta, GenerateRequest
 from pdserve.errors import EngineRequestError, EngineUnavailableError
@@ -27,15 +28,15 @@ logger = logging.getLogger(__name__)
 
 # Streams one request from one engine (routing, abort-on-close and error mapping included).
 EngineStream = Callable[[GenerateRequest], AsyncIterator[GenerateDelta]]
-ReleasePrefill = Callable[[dict[str, Any], str], Awaitable[None]]
 
 
 def prefill_request(request: GenerateRequest) -> GenerateRequest:
-    """The prefill leg: one token, and keep the blocks for a remote decode."""
+    """The prefill leg: one token; keep the blocks for a decode leg if one will follow."""
     sampling = dataclasses.replace(request.sampling, max_tokens=1)
+    decode_follows = request.sampling.max_tokens > 1
     return dataclasses.replace(
         request, request_id=f"{request.request_id}-p", sampling=sampling,
-        kv_transfer_params={"do_remote_decode": True},
+        kv_transfer_params={"do_remote_decode": True} if decode_follows else None,
     )
 
 
@@ -52,8 +53,7 @@ def decode_request(request: GenerateRequest, first: GenerateDelta) -> GenerateRe
 
 
 async def generate_disaggregated(
-    request: GenerateRequest, prefill: EngineStream, decode: EngineStream,
-    release_prefill: ReleasePrefill, failure_policy: str,
+    request: GenerateRequest, prefill: EngineStream, decode: EngineStream, failure_policy: str,
 ) -> AsyncIterator[GenerateDelta]:
     first = await _run_prefill(request, prefill, failure_policy)
     if first is None:  # prefill failed and the policy says recompute: decode does it all
@@ -61,12 +61,10 @@ async def generate_disaggregated(
             async for delta in deltas:
                 yield delta
         return
-    params = first.kv_transfer_params or {}
     # The first token can end the request: EOS or a stop string ("stop"), or a budget of one.
     ends_here = first.finish_reason == "stop" or request.sampling.max_tokens == 1
     yield _as_client_delta(request, first, finished=ends_here)
     if ends_here:
-        await release_prefill(params, first.request_id)
         return
     async with aclosing(decode(decode_request(request, first))) as deltas:
         async for delta in deltas:

@@ -118,7 +118,6 @@ class RayBackend:
             request,
             prefill=lambda r: self._stream(PoolRole.PREFILL, r),
             decode=lambda r: self._stream(PoolRole.DECODE, r),
-            release_prefill=self._release_prefill,
             failure_policy=self._config.kv.failure_policy,
         )
 
@@ -160,18 +159,6 @@ class RayBackend:
             else:
                 logger.warning("engine %s did not answer stats: %r", replica.replica_id, result)
         return stats
-
-    async def _release_prefill(self, params: dict[str, Any], prefill_request_id: str) -> None:
-        """Free a prefill request's pinned blocks when no decode leg will pull them."""
-        replica = next((r for r in self._pools[PoolRole.PREFILL].replicas
-                        if r.replica_id == params.get("remote_engine_id")), None)
-        if replica is None:
-            return  # unknown engine: its lease frees the blocks
-        try:
-            await replica.actor.release_kv.remote(prefill_request_id, params)
-        except Exception as e:  # noqa: BLE001 - the lease is the backstop
-            logger.warning("release of %s on %s failed (lease will free it): %r",
-                           prefill_request_id, replica.replica_id, e)
 
     def healthy(self) -> bool:
         return all(any(r.healthy for r in p.replicas) for p in self._pools.values())

@@ -45,7 +45,6 @@ class MockEngine:
         self._decode_task: asyncio.Task[None] | None = None
         self._aborted_total = 0
         self._finished_total = 0
-        self.released_kv: list[str] = []  # prefill requests whose blocks the frontend freed
 
     async def start(self) -> EngineInfo:
         self._decode_task = asyncio.get_running_loop().create_task(self._decode_loop())
@@ -75,9 +74,6 @@ class MockEngine:
         self._running.pop(request_id, None)
         self._waiting.pop(request_id, None)
         state.queue.put_nowait(self._delta(state, (), "", "abort"))
-
-    async def release_kv(self, request_id: str, kv_transfer_params: dict) -> None:
-        self.released_kv.append(request_id)
 
     def stats(self) -> EngineStats:
         used = sum(self._blocks(s) for s in self._running.values())

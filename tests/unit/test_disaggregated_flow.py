@@ -28,34 +28,35 @@ def request(max_tokens, prompt=(5, 6, 7), stop=()):
 
 
 async def run(engines, req, policy="recompute", prefill=None):
-    released = []
+    sent = []
 
-    async def release(params, rid):
-        released.append((params["remote_engine_id"], rid))
+    def recording_prefill(leg):
+        sent.append(leg)
+        return (prefill or engines["prefill"].generate)(leg)
 
     deltas = [d async for d in generate_disaggregated(
-        req, prefill or engines["prefill"].generate, engines["decode"].generate, release, policy)]
-    return deltas, released
+        req, recording_prefill, engines["decode"].generate, policy)]
+    return deltas, sent
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 7])
 async def test_disaggregated_output_equals_colocated(engines, max_tokens):
     colocated = [d async for d in engines["colocated"].generate(request(max_tokens))]
-    deltas, released = await run(engines, request(max_tokens))
+    deltas, sent = await run(engines, request(max_tokens))
     assert [t for d in deltas for t in d.token_ids] == [t for d in colocated for t in d.token_ids]
     assert [d.num_output_tokens for d in deltas] == list(range(1, max_tokens + 1))
     assert deltas[-1].finish_reason == "length"
     assert all(d.request_id == "r" and d.num_prompt_tokens == 3 for d in deltas)
-    # Only a request that ends at its first token releases the prefill blocks from the frontend.
-    assert released == ([("prefill", "r-p")] if max_tokens == 1 else [])
+    # The prefill engine keeps blocks only when a decode leg will pull them.
+    keep = (sent[0].kv_transfer_params or {}).get("do_remote_decode", False)
+    assert keep is (max_tokens > 1)
     assert engines["decode"].stats().num_finished_total == (0 if max_tokens == 1 else 1)
 
 
 async def test_first_token_hitting_a_stop_string_ends_the_request(engines):
     first = [d async for d in engines["colocated"].generate(request(1))][0].text.strip()
-    deltas, released = await run(engines, request(5, stop=(first,)))
+    deltas, _ = await run(engines, request(5, stop=(first,)))
     assert deltas[-1].finish_reason == "stop" and len(deltas) == 1
-    assert released == [("prefill", "r-p")]
     assert engines["decode"].stats().num_finished_total == 0
 
 
