@@ -34,10 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
-from pdserve.kv.transport.base import BlockRegion, KVLayoutSpec, TransferState  # noqa: E402
-from pdserve.kv.transport.fake import FakeFabric, FakeSink, FakeSource  # noqa: E402
-from pdserve.kv.transport.grpc import GrpcSink  # noqa: E402
-from pdserve.kv.transport.nccl import DEFAULT_STAGING_BYTES, NcclSink, NcclSource  # noqa: E402
+from pdserve.kv.transport.base import BlockRegion, KVLayoutSpec, TransferState
+from pdserve.kv.transport.fake import FakeFabric, FakeSink, FakeSource
+from pdserve.kv.transport.grpc import GrpcSink
+from pdserve.kv.transport.nccl import DEFAULT_STAGING_BYTES, NcclSink, NcclSource
 
 TOKEN = "bench-token"
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
@@ -68,7 +68,10 @@ class Shape:
             shape, block_dim = (2, num_blocks, self.block_tokens, KV_HEADS, HEAD_DIM), 1
         else:
             shape, block_dim = (num_blocks, KV_HEADS, self.block_tokens, 2 * HEAD_DIM), 0
-        return [BlockRegion(torch.randn(shape, dtype=torch.bfloat16, device=device), block_dim) for _ in range(LAYERS)]
+        return [
+            BlockRegion(torch.randn(shape, dtype=torch.bfloat16, device=device), block_dim)
+            for _ in range(LAYERS)
+        ]
 
 
 def pick_shape(device: str) -> Shape:
@@ -81,12 +84,17 @@ def pick_shape(device: str) -> Shape:
     return Shape("cpu", "cpu", CPU_BLOCK_TOKENS)
 
 
-def run_source(conn, shape: Shape, num_blocks: int, staging_bytes: int) -> None:  # noqa: ANN001 - child entry
+def run_source(conn, shape: Shape, num_blocks: int, staging_bytes: int) -> None:
     """Child process: an NcclSource over `num_blocks` blocks; pins and raw-socket sends on request."""
     if shape.source_device.startswith("cuda"):
         torch.cuda.set_device(shape.source_device)
-    source = NcclSource(shape.layout(), shape.regions(num_blocks, shape.source_device),
-                        engine_id="bench-prefill", cluster_token=TOKEN, staging_bytes=staging_bytes)
+    source = NcclSource(
+        shape.layout(),
+        shape.regions(num_blocks, shape.source_device),
+        engine_id="bench-prefill",
+        cluster_token=TOKEN,
+        staging_bytes=staging_bytes,
+    )
     conn.send(source.address)
     while (command := conn.recv())[0] != "stop":
         if command[0] == "pin":
@@ -115,7 +123,9 @@ class Bench:
         context = multiprocessing.get_context("spawn")
         self.pipe, child_end = context.Pipe()
         staging_bytes = args.staging_mib << 20
-        self.child = context.Process(target=run_source, args=(child_end, shape, num_blocks, staging_bytes), daemon=True)
+        self.child = context.Process(
+            target=run_source, args=(child_end, shape, num_blocks, staging_bytes), daemon=True
+        )
         self.child.start()
         self.address = self.pipe.recv()
         self.dst_regions = shape.regions(num_blocks, shape.sink_device)
@@ -125,7 +135,7 @@ class Bench:
         self.pipe.send(command)
         assert self.pipe.recv() == "ok"
 
-    def time_pulls(self, sink, blocks_per_pull: int, address: str, pin) -> list[float]:  # noqa: ANN001
+    def time_pulls(self, sink, blocks_per_pull: int, address: str, pin) -> list[float]:
         """Seconds of each timed pull (after one warm-up)."""
         seconds = []
         for attempt in range(self.args.repeats + 1):
@@ -201,19 +211,33 @@ def run(args: argparse.Namespace) -> tuple[Shape, list[Result]]:
         "grpc": GrpcSink(layout, bench.dst_regions, engine_id="bench-decode-grpc", cluster_token=TOKEN),
         "nccl": NcclSink(layout, bench.dst_regions, engine_id="bench-decode-nccl", cluster_token=TOKEN),
     }
-    remote_pin = lambda rid, ids: bench.command("pin", rid, ids)  # noqa: E731
+    remote_pin = lambda rid, ids: bench.command("pin", rid, ids)
     fabric = FakeFabric()
-    fake_source = FakeSource(layout, shape.regions(num_blocks, shape.source_device), engine_id="fake-prefill",
-                             cluster_token=TOKEN, fabric=fabric)
-    fake_sink = FakeSink(layout, bench.dst_regions, engine_id="fake-decode", cluster_token=TOKEN, fabric=fabric)
+    fake_source = FakeSource(
+        layout,
+        shape.regions(num_blocks, shape.source_device),
+        engine_id="fake-prefill",
+        cluster_token=TOKEN,
+        fabric=fabric,
+    )
+    fake_sink = FakeSink(
+        layout, bench.dst_regions, engine_id="fake-decode", cluster_token=TOKEN, fabric=fabric
+    )
     try:
         for size in sizes:
             blocks_per_pull = max(1, size // shape.block_bytes())
             nbytes = blocks_per_pull * shape.block_bytes()
             for name, sink in sinks.items():
-                results.append(Result(name, nbytes, bench.time_pulls(sink, blocks_per_pull, bench.address, remote_pin)))
-            results.append(Result("fake", nbytes, bench.time_pulls(fake_sink, blocks_per_pull, fake_source.address,
-                                                                   fake_source.pin)))
+                results.append(
+                    Result(name, nbytes, bench.time_pulls(sink, blocks_per_pull, bench.address, remote_pin))
+                )
+            results.append(
+                Result(
+                    "fake",
+                    nbytes,
+                    bench.time_pulls(fake_sink, blocks_per_pull, fake_source.address, fake_source.pin),
+                )
+            )
             results.append(Result("raw-socket", nbytes, bench.socket_baseline(nbytes), "grpc, gloo"))
             if shape.source_device.startswith("cuda"):
                 results.append(Result("peer-copy", nbytes, bench.peer_copy_baseline(nbytes), "nccl"))
@@ -228,32 +252,53 @@ def run(args: argparse.Namespace) -> tuple[Shape, list[Result]]:
 
 def print_rows(rows: list[Result], shape: Shape) -> None:
     for row in rows:
-        name = row.transport if row.transport != "nccl" or shape.source_device.startswith("cuda") else "nccl(gloo)"
+        name = (
+            row.transport
+            if row.transport != "nccl" or shape.source_device.startswith("cuda")
+            else "nccl(gloo)"
+        )
         note = f"baseline for {row.baseline_of}" if row.baseline_of else ""
-        print(f"{name:<12} {row.size_bytes / 2**20:>9.0f} {statistics.median(row.seconds) * 1e3:>10.2f} "
-              f"{row.gbps:>8.2f}  {note}", flush=True)
+        print(
+            f"{name:<12} {row.size_bytes / 2**20:>9.0f} {statistics.median(row.seconds) * 1e3:>10.2f} "
+            f"{row.gbps:>8.2f}  {note}",
+            flush=True,
+        )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", default="16,64,256", help="comma-separated pull sizes in MiB")
     parser.add_argument("--repeats", type=int, default=5, help="timed pulls per transport and size")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="where the KV lives (auto: two GPUs if present, else CPU)")
-    parser.add_argument("--staging-mib", type=int, default=DEFAULT_STAGING_BYTES >> 20,
-                        help="NCCL/gloo staging buffer per pair (the batch size of one send)")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the KV lives (auto: two GPUs if present, else CPU)",
+    )
+    parser.add_argument(
+        "--staging-mib",
+        type=int,
+        default=DEFAULT_STAGING_BYTES >> 20,
+        help="NCCL/gloo staging buffer per pair (the batch size of one send)",
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     shape = pick_shape(args.device)
-    print(f"KV on {shape.source_device} -> {shape.sink_device}, {shape.block_tokens}-token blocks "
-          f"({shape.block_bytes() >> 10} KiB per block, 128 KiB per token), torch {torch.__version__}")
+    print(
+        f"KV on {shape.source_device} -> {shape.sink_device}, {shape.block_tokens}-token blocks "
+        f"({shape.block_bytes() >> 10} KiB per block, 128 KiB per token), torch {torch.__version__}"
+    )
     print(f"{'transport':<12} {'size MiB':>9} {'median ms':>10} {'GB/s':>8}")
     shape, results = run(args)
     if args.out:
         payload = {
-            "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+            "host": platform.node(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
             "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-            "shape": asdict(shape), "repeats": args.repeats, "staging_mib": args.staging_mib,
+            "shape": asdict(shape),
+            "repeats": args.repeats,
+            "staging_mib": args.staging_mib,
             "results": [dict(asdict(r), gbps_median=r.gbps) for r in results],
         }
         args.out.write_text(json.dumps(payload, indent=2))

@@ -29,6 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Self
 
 import torch
 
@@ -36,8 +37,8 @@ from pdserve.errors import PdserveError
 from pdserve.kv.transport.leases import PinTable, ReleaseReason
 
 __all__ = [
-    "WIRE_VERSION",
     "DEFAULT_LEASE_S",
+    "WIRE_VERSION",
     "AuthenticationError",
     "BlockRegion",
     "BlockSink",
@@ -82,8 +83,12 @@ class AuthenticationError(KVTransportError):
 class IncompatiblePeerError(KVTransportError):
     """The peer lays out KV differently; `field` names the first differing field."""
 
-    def __init__(self, field: str, local: object = None, remote: object = None, *, message: str | None = None):
-        super().__init__(message or f"incompatible KV peer: {field} differs (local {local!r}, remote {remote!r})")
+    def __init__(
+        self, field: str, local: object = None, remote: object = None, *, message: str | None = None
+    ):
+        super().__init__(
+            message or f"incompatible KV peer: {field} differs (local {local!r}, remote {remote!r})"
+        )
         self.field = field
 
 
@@ -138,7 +143,9 @@ def check_regions(local: Sequence[RegionInfo], remote: Sequence[RegionInfo]) -> 
     for i, (mine, theirs) in enumerate(zip(local, remote, strict=True)):
         for name in ("block_shape", "dtype", "block_nbytes"):
             if getattr(mine, name) != getattr(theirs, name):
-                raise IncompatiblePeerError(f"regions[{i}].{name}", getattr(mine, name), getattr(theirs, name))
+                raise IncompatiblePeerError(
+                    f"regions[{i}].{name}", getattr(mine, name), getattr(theirs, name)
+                )
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +175,9 @@ class BlockRegion:
         """The region's wire description; cheap, called at construction and handshake."""
         shape = tuple(s for d, s in enumerate(self.tensor.shape) if d != self.block_dim)
         nbytes = self.tensor.element_size() * int(torch.Size(shape).numel())
-        return RegionInfo(block_shape=shape, dtype=str(self.tensor.dtype).removeprefix("torch."), block_nbytes=nbytes)
+        return RegionInfo(
+            block_shape=shape, dtype=str(self.tensor.dtype).removeprefix("torch."), block_nbytes=nbytes
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +210,9 @@ def token_proof(cluster_token: str, role: str, wire_version: int, engine_id: str
     return hmac.new(cluster_token.encode(), message, hashlib.sha256).digest()
 
 
-def make_hello(layout: KVLayoutSpec, cluster_token: str, role: str, engine_id: str, version: int) -> PeerHello:
+def make_hello(
+    layout: KVLayoutSpec, cluster_token: str, role: str, engine_id: str, version: int
+) -> PeerHello:
     """Builds this side's half of a handshake; called once per handshake."""
     proof = token_proof(cluster_token, role, version, engine_id)
     return PeerHello(version, layout.compat_hash(), layout, engine_id, proof)
@@ -386,7 +397,7 @@ class BlockSource(ABC):
         verify_hello(self.layout, self._cluster_token, "client", hello, self.wire_version)
         return make_hello(self.layout, self._cluster_token, "server", self.engine_id, self.wire_version)
 
-    def __enter__(self) -> BlockSource:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -401,7 +412,9 @@ class BlockSink(ABC):
 
     wire_version: int = WIRE_VERSION
 
-    def __init__(self, layout: KVLayoutSpec, regions: Sequence[BlockRegion], *, engine_id: str, cluster_token: str):
+    def __init__(
+        self, layout: KVLayoutSpec, regions: Sequence[BlockRegion], *, engine_id: str, cluster_token: str
+    ):
         self.layout = layout
         self.regions = tuple(regions)
         self.region_infos = tuple(r.info() for r in self.regions)
@@ -427,7 +440,9 @@ class BlockSink(ABC):
         """Stops transport threads and closes connections; called once at worker shutdown."""
 
     @abstractmethod
-    def _submit(self, transfer: KVTransfer, src_block_ids: list[int], dst_block_ids: list[int], release: bool) -> None:
+    def _submit(
+        self, transfer: KVTransfer, src_block_ids: list[int], dst_block_ids: list[int], release: bool
+    ) -> None:
         """Starts moving the blocks in the background and returns at once."""
 
     def start_pull(
@@ -479,7 +494,7 @@ class BlockSink(ABC):
     def _hello(self) -> PeerHello:
         return make_hello(self.layout, self._cluster_token, "client", self.engine_id, self.wire_version)
 
-    def __enter__(self) -> BlockSink:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

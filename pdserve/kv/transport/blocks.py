@@ -88,7 +88,9 @@ def block_index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(block_ids), dtype=torch.long, device=device)
 
 
-def gather(region: BlockRegion, index: torch.Tensor, piece: Piece, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather(
+    region: BlockRegion, index: torch.Tensor, piece: Piece, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Copies a piece's blocks out of `region` into wire form, as flat uint8 (into `out`, a
     uint8 buffer on the region's device, when given). Called by sources and the fake once per
     piece; blocks on the copy only."""
@@ -102,7 +104,9 @@ def gather(region: BlockRegion, index: torch.Tensor, piece: Piece, out: torch.Te
             dst += runs.run_bytes
         return out[: piece.nbytes]
     blocks = region.tensor.movedim(region.block_dim, 0)
-    torch.index_select(blocks, 0, index[piece.first : piece.first + piece.count], out=_typed_view(out, region, piece))
+    torch.index_select(
+        blocks, 0, index[piece.first : piece.first + piece.count], out=_typed_view(out, region, piece)
+    )
     return out[: piece.nbytes]
 
 
@@ -161,7 +165,9 @@ def _cpu_runs(region: BlockRegion) -> _Runs | None:
 
 @functools.lru_cache(maxsize=1024)
 def _runs_of(shape: tuple[int, ...], strides: tuple[int, ...], elem: int, block_dim: int) -> _Runs | None:
-    dims = [(size, stride) for d, (size, stride) in enumerate(zip(shape, strides)) if d != block_dim and size != 1]
+    dims = [
+        (size, stride) for d, (size, stride) in enumerate(zip(shape, strides)) if d != block_dim and size != 1
+    ]
     run_elems, split = 1, len(dims)
     while split > 0 and dims[split - 1][1] == run_elems:  # the trailing dims that are row-major
         run_elems *= dims[split - 1][0]
@@ -176,7 +182,7 @@ def _runs_of(shape: tuple[int, ...], strides: tuple[int, ...], elem: int, block_
     return _Runs(strides[block_dim] * elem, run_elems * elem, offsets)
 
 
-def _run_addresses(region: BlockRegion, runs: _Runs, block_ids: list[int]):  # noqa: ANN202 - generator
+def _run_addresses(region: BlockRegion, runs: _Runs, block_ids: list[int]):
     base = region.tensor.data_ptr()
     for block in block_ids:
         start = base + block * runs.block_stride

@@ -78,7 +78,12 @@ class FakeSource(BlockSource):
         lease_s: float = DEFAULT_LEASE_S,
     ):
         super().__init__(
-            layout, regions, engine_id=engine_id, cluster_token=cluster_token, on_release=on_release, lease_s=lease_s
+            layout,
+            regions,
+            engine_id=engine_id,
+            cluster_token=cluster_token,
+            on_release=on_release,
+            lease_s=lease_s,
         )
         self._fabric = fabric
         self._address = fabric.register(self)
@@ -128,9 +133,14 @@ class FakeSink(BlockSink):
         for thread in list(self._threads):
             thread.join(timeout=1.0)
 
-    def _submit(self, transfer: KVTransfer, src_block_ids: list[int], dst_block_ids: list[int], release: bool) -> None:
+    def _submit(
+        self, transfer: KVTransfer, src_block_ids: list[int], dst_block_ids: list[int], release: bool
+    ) -> None:
         thread = threading.Thread(
-            target=self._run, args=(transfer, src_block_ids, dst_block_ids, release), name="fake-kv-pull", daemon=True
+            target=self._run,
+            args=(transfer, src_block_ids, dst_block_ids, release),
+            name="fake-kv-pull",
+            daemon=True,
         )
         self._threads.add(thread)
         thread.start()

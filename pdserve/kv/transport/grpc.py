@@ -90,7 +90,12 @@ class GrpcSource(BlockSource):
         """Binds `host:port` (port 0 picks a free one) and starts serving; `advertise_host` is
         the host sinks dial (default: `host`, or this machine's IP for a wildcard bind)."""
         super().__init__(
-            layout, regions, engine_id=engine_id, cluster_token=cluster_token, on_release=on_release, lease_s=lease_s
+            layout,
+            regions,
+            engine_id=engine_id,
+            cluster_token=cluster_token,
+            on_release=on_release,
+            lease_s=lease_s,
         )
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._sessions_lock = threading.Lock()
@@ -139,7 +144,9 @@ class GrpcSource(BlockSource):
         """NCCL side channel (server thread): only NcclSource serves it."""
         raise NotImplementedError("this KV source serves gRPC pulls only")
 
-    def serve_pull_nccl(self, pair_id: str, request_id: str, block_ids: list[int], release_after: bool) -> int:
+    def serve_pull_nccl(
+        self, pair_id: str, request_id: str, block_ids: list[int], release_after: bool
+    ) -> int:
         """NCCL side channel (server thread): only NcclSource serves it."""
         raise NotImplementedError("this KV source serves gRPC pulls only")
 
@@ -155,7 +162,9 @@ class GrpcSource(BlockSource):
             if device not in indexes:
                 indexes[device] = blocks.block_index(block_ids, device)
             payload = blocks.gather_bytes(region, indexes[device], piece)
-            yield pb.BlockChunk(region=piece.region, block_offset=piece.first, block_count=piece.count, data=payload)
+            yield pb.BlockChunk(
+                region=piece.region, block_offset=piece.first, block_count=piece.count, data=payload
+            )
 
 
 def _reachable_host(bind_host: str) -> str:
@@ -183,7 +192,9 @@ class _Servicer(pb_grpc.KVTransferServicer):
         regions = [r.info() for r in self._source.regions]
         return wire.hello_to_response(reply, session_id, regions)
 
-    def PullBlocks(self, request: pb.PullBlocksRequest, context: grpc.ServicerContext) -> Iterator[pb.BlockChunk]:
+    def PullBlocks(
+        self, request: pb.PullBlocksRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.BlockChunk]:
         """Once per gRPC pull: streams the chunks; holds a server thread for the whole stream."""
         self._require_session(context)
         block_ids = list(request.block_ids)
@@ -210,10 +221,14 @@ class _Servicer(pb_grpc.KVTransferServicer):
     ) -> pb.SetupCommunicatorResponse:
         """Once per NCCL pair: delegates to the source (UNIMPLEMENTED on a plain GrpcSource)."""
         self._require_session(context)
-        store_address, params = self._call(context, self._source.serve_setup_communicator, request.pair_id, request.backend)
+        store_address, params = self._call(
+            context, self._source.serve_setup_communicator, request.pair_id, request.backend
+        )
         return pb.SetupCommunicatorResponse(store_address=store_address, params=params)
 
-    def PullBlocksNccl(self, request: pb.PullBlocksNcclRequest, context: grpc.ServicerContext) -> pb.PullBlocksNcclResponse:
+    def PullBlocksNccl(
+        self, request: pb.PullBlocksNcclRequest, context: grpc.ServicerContext
+    ) -> pb.PullBlocksNcclResponse:
         """Once per NCCL pull: validates and queues the send; returns before any byte moves."""
         self._require_session(context)
         total = self._call(
@@ -232,7 +247,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid session: handshake first")
 
     @staticmethod
-    def _call(context: grpc.ServicerContext, method, *args):  # noqa: ANN001, ANN205 - thin error mapping
+    def _call(context: grpc.ServicerContext, method, *args):
         try:
             return method(*args)
         except NotImplementedError as exc:
@@ -328,7 +343,9 @@ class GrpcSink(BlockSink):
             transfer.wait(timeout=2.0)
             transfer.finish("the KV sink was closed before the pull finished")
 
-    def _submit(self, transfer: KVTransfer, src_block_ids: list[int], dst_block_ids: list[int], release: bool) -> None:
+    def _submit(
+        self, transfer: KVTransfer, src_block_ids: list[int], dst_block_ids: list[int], release: bool
+    ) -> None:
         with self._lock:
             if self._closed:
                 raise KVTransportError("the KV sink is closed")
@@ -353,10 +370,15 @@ class GrpcSink(BlockSink):
             with self._lock:
                 self._inflight.discard(transfer)
 
-    def _pull(self, session: SourceSession, transfer: KVTransfer, src: list[int], dst: list[int], release: bool) -> None:
+    def _pull(
+        self, session: SourceSession, transfer: KVTransfer, src: list[int], dst: list[int], release: bool
+    ) -> None:
         """Moves the blocks over one PullBlocks stream; NcclSink overrides it."""
         request = pb.PullBlocksRequest(
-            request_id=transfer.request_id, block_ids=src, max_chunk_bytes=self.max_chunk_bytes, release_after=release
+            request_id=transfer.request_id,
+            block_ids=src,
+            max_chunk_bytes=self.max_chunk_bytes,
+            release_after=release,
         )
         stream = session.stub.PullBlocks(request, timeout=self.pull_timeout_s, metadata=session.metadata)
         with self._lock:
@@ -416,7 +438,9 @@ class GrpcSink(BlockSink):
         try:
             session = self.session(address)
             session.stub.Release(
-                pb.ReleaseRequest(request_id=request_id), timeout=HANDSHAKE_TIMEOUT_S, metadata=session.metadata
+                pb.ReleaseRequest(request_id=request_id),
+                timeout=HANDSHAKE_TIMEOUT_S,
+                metadata=session.metadata,
             )
         except Exception as exc:  # noqa: BLE001 - best effort; the source's lease frees the blocks
             logger.warning("Release of %s at %s failed: %s", request_id, address, exc)

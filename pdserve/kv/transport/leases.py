@@ -123,7 +123,7 @@ class PinTable:
             return
         try:
             self._on_release(request_id, reason)
-        except Exception:  # noqa: BLE001 - a faulty callback must not kill a server thread
+        except Exception:
             logger.exception("on_release callback failed for %s", request_id)
 
     def _reap(self) -> None:

@@ -63,7 +63,9 @@ def backend_for(regions: Sequence[BlockRegion]) -> tuple[str, torch.device]:
     return ("nccl" if device.type == "cuda" else "gloo"), device
 
 
-def make_pair_group(store: dist.Store, rank: int, backend: str, host: str, timeout_s: float) -> dist.ProcessGroup:
+def make_pair_group(
+    store: dist.Store, rank: int, backend: str, host: str, timeout_s: float
+) -> dist.ProcessGroup:
     """A 2-rank group over `store`; blocks until the peer joins (gloo) or the first op (NCCL).
 
     Called once per pair on each end, on a pair or pull thread.
@@ -86,7 +88,9 @@ def local_ip_towards(host: str) -> str:
         return probe.getsockname()[0]
 
 
-def plan(region_nbytes: Sequence[int], num_blocks: int, staging_bytes: int) -> list[list[tuple[blocks.Piece, int]]]:
+def plan(
+    region_nbytes: Sequence[int], num_blocks: int, staging_bytes: int
+) -> list[list[tuple[blocks.Piece, int]]]:
     """The batches of a pull; both ends call it with the same arguments."""
     capacity = max(staging_bytes, *region_nbytes)
     return blocks.pack_batches(blocks.plan_pieces(region_nbytes, num_blocks, capacity), capacity)
@@ -123,7 +127,9 @@ class _Pair:
 
     def join(self, rank: int, host: str) -> None:
         """Builds the group and staging; pair thread (source) or pull thread (sink), once."""
-        self.group = make_pair_group(dist.PrefixStore(self.pair_id, self.store), rank, self.backend, host, self.timeout_s)
+        self.group = make_pair_group(
+            dist.PrefixStore(self.pair_id, self.store), rank, self.backend, host, self.timeout_s
+        )
         self.staging = torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.device)
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
@@ -141,7 +147,7 @@ class _Pair:
         if group is not None:
             try:
                 group.abort()
-            except Exception:  # noqa: BLE001 - best effort during teardown
+            except Exception:
                 logger.debug("abort of KV pair %s failed", self.pair_id, exc_info=True)
 
 
@@ -166,7 +172,7 @@ class NcclSource(GrpcSource):
         *,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         pair_timeout_s: float = DEFAULT_PAIR_TIMEOUT_S,
-        **grpc_options,  # noqa: ANN003 - GrpcSource's keyword arguments
+        **grpc_options,
     ):
         self.backend, self.device = backend_for(regions)
         self._region_nbytes = [r.info().block_nbytes for r in regions]
@@ -184,7 +190,9 @@ class NcclSource(GrpcSource):
         pair settings both ends must share.
         """
         if backend != self.backend:
-            raise KVTransportError(f"backend mismatch: source uses {self.backend}, sink asked for {backend!r}")
+            raise KVTransportError(
+                f"backend mismatch: source uses {self.backend}, sink asked for {backend!r}"
+            )
         timeout = datetime.timedelta(seconds=self.pair_timeout_s)
         store = dist.TCPStore(self.host, 0, 2, True, timeout, wait_for_workers=False)
         pair = _Pair(pair_id, self.backend, self.device, self.pair_timeout_s, self.staging_bytes, store)
@@ -193,11 +201,15 @@ class NcclSource(GrpcSource):
             if pair_id in self._pairs:
                 raise ValueError(f"pair {pair_id!r} already exists")
             self._pairs[pair_id] = (pair, jobs)
-        threading.Thread(target=self._serve_pair, args=(pair, jobs), name=f"kv-pair-{pair_id}", daemon=True).start()
+        threading.Thread(
+            target=self._serve_pair, args=(pair, jobs), name=f"kv-pair-{pair_id}", daemon=True
+        ).start()
         settings = {"timeout_s": self.pair_timeout_s, "staging_bytes": self.staging_bytes}
         return f"{self.host}:{store.port}", msgpack.packb(settings)
 
-    def serve_pull_nccl(self, pair_id: str, request_id: str, block_ids: list[int], release_after: bool) -> int:
+    def serve_pull_nccl(
+        self, pair_id: str, request_id: str, block_ids: list[int], release_after: bool
+    ) -> int:
         """Server thread, once per pull: checks the pin and queues the send. Returns the bytes
         that will be sent; raises KVTransportError (unknown pair) or LookupError/ValueError
         (unknown request or block)."""
@@ -273,7 +285,7 @@ class NcclSink(GrpcSink):
     group's rendezvous); later pulls cost one PullBlocksNccl round trip plus the transfer.
     """
 
-    def __init__(self, layout: KVLayoutSpec, regions: Sequence[BlockRegion], **grpc_options):  # noqa: ANN003
+    def __init__(self, layout: KVLayoutSpec, regions: Sequence[BlockRegion], **grpc_options):
         self.backend, self.device = backend_for(regions)
         self._pairs: dict[str, _Pair] = {}
         self._pair_locks: dict[str, threading.Lock] = {}
@@ -287,7 +299,9 @@ class NcclSink(GrpcSink):
         for pair in pairs:
             pair.abort()
 
-    def _pull(self, session: SourceSession, transfer: KVTransfer, src: list[int], dst: list[int], release: bool) -> None:
+    def _pull(
+        self, session: SourceSession, transfer: KVTransfer, src: list[int], dst: list[int], release: bool
+    ) -> None:
         """Pull thread: one PullBlocksNccl round trip, then the batches over the pair."""
         address = session.info.address
         pair = self._pair(session)
@@ -338,12 +352,16 @@ class NcclSink(GrpcSink):
     def _setup_pair(self, session: SourceSession) -> _Pair:
         pair_id = f"{self.engine_id}-{secrets.token_hex(8)}"
         request = pb.SetupCommunicatorRequest(pair_id=pair_id, backend=self.backend)
-        response = session.stub.SetupCommunicator(request, timeout=HANDSHAKE_TIMEOUT_S, metadata=session.metadata)
+        response = session.stub.SetupCommunicator(
+            request, timeout=HANDSHAKE_TIMEOUT_S, metadata=session.metadata
+        )
         settings = _decode_settings(response.params)
         host, _, port = response.store_address.rpartition(":")
         timeout = datetime.timedelta(seconds=settings["timeout_s"])
         store = dist.TCPStore(host, int(port), 2, False, timeout)
-        pair = _Pair(pair_id, self.backend, self.device, settings["timeout_s"], settings["staging_bytes"], store)
+        pair = _Pair(
+            pair_id, self.backend, self.device, settings["timeout_s"], settings["staging_bytes"], store
+        )
         pair.join(rank=1, host=local_ip_towards(host))
         return pair
 

@@ -82,7 +82,9 @@ def hello_from_message(message: pb.HandshakeRequest | pb.HandshakeResponse) -> P
     )
 
 
-def hello_to_response(hello: PeerHello, session_id: str, regions: Sequence[RegionInfo]) -> pb.HandshakeResponse:
+def hello_to_response(
+    hello: PeerHello, session_id: str, regions: Sequence[RegionInfo]
+) -> pb.HandshakeResponse:
     """A source's hello, session and regions as the Handshake response."""
     return pb.HandshakeResponse(
         wire_version=hello.wire_version,
@@ -91,7 +93,8 @@ def hello_to_response(hello: PeerHello, session_id: str, regions: Sequence[Regio
         engine_id=hello.engine_id,
         session_id=session_id,
         regions=[
-            pb.RegionInfo(block_shape=list(r.block_shape), dtype=r.dtype, block_nbytes=r.block_nbytes) for r in regions
+            pb.RegionInfo(block_shape=list(r.block_shape), dtype=r.dtype, block_nbytes=r.block_nbytes)
+            for r in regions
         ],
         token_proof=hello.token_proof,
     )

@@ -27,7 +27,9 @@ REQUEST_IDS = {"grpc": "req-grpc", "nccl": "req-nccl"}
 SRC_IDS = [30, 2, 17, 5, 11, 23, 8, 0]
 
 
-def kv_regions(num_blocks: int, seed: int, *, sink_side: bool = False, device: str = "cpu") -> list[BlockRegion]:
+def kv_regions(
+    num_blocks: int, seed: int, *, sink_side: bool = False, device: str = "cpu"
+) -> list[BlockRegion]:
     """Two layer-like regions; the sink's puts the block dim elsewhere (same block shapes)."""
     generator = torch.Generator().manual_seed(seed)
     flash = torch.randn(2, num_blocks, 4, 2, 8, generator=generator).half().to(device)
@@ -71,7 +73,7 @@ def run_source(conn: Connection, gather_delay_s: float, device: str = "cpu") -> 
         source.close()
 
 
-def _delayed(function, delay_s: float):  # noqa: ANN001, ANN202 - test helper
+def _delayed(function, delay_s: float):
     def slow(*args: object, **kwargs: object) -> object:
         threading.Event().wait(delay_s)
         return function(*args, **kwargs)

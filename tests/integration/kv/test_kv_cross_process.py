@@ -7,10 +7,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import kv_peer
 import pytest
 import torch
 
-import kv_peer
 from pdserve.kv.transport.base import BlockSink, TransferState
 from pdserve.kv.transport.grpc import GrpcSink
 from pdserve.kv.transport.nccl import NcclSink
@@ -23,10 +23,14 @@ WAIT_S = 20.0
 
 
 @contextmanager
-def source_process(gather_delay_s: float = 0.0, device: str = "cpu") -> Iterator[tuple[str, multiprocessing.Process, object]]:
+def source_process(
+    gather_delay_s: float = 0.0, device: str = "cpu"
+) -> Iterator[tuple[str, multiprocessing.Process, object]]:
     context = multiprocessing.get_context("spawn")
     parent_end, child_end = context.Pipe()
-    process = context.Process(target=kv_peer.run_source, args=(child_end, gather_delay_s, device), daemon=True)
+    process = context.Process(
+        target=kv_peer.run_source, args=(child_end, gather_delay_s, device), daemon=True
+    )
     process.start()
     try:
         assert parent_end.poll(STARTUP_S), "source process did not start"
@@ -46,7 +50,13 @@ def source_process(gather_delay_s: float = 0.0, device: str = "cpu") -> Iterator
 def make_sink(kind: str, regions, small_pieces: bool = False) -> BlockSink:
     cls = GrpcSink if kind == "grpc" else NcclSink
     chunk = 1 if small_pieces else 64 << 10
-    return cls(kv_peer.LAYOUT, regions, engine_id=f"decode-{kind}", cluster_token=kv_peer.TOKEN, max_chunk_bytes=chunk)
+    return cls(
+        kv_peer.LAYOUT,
+        regions,
+        engine_id=f"decode-{kind}",
+        cluster_token=kv_peer.TOKEN,
+        max_chunk_bytes=chunk,
+    )
 
 
 def test_pulls_across_processes_move_the_exact_bytes():
@@ -88,13 +98,20 @@ def assert_pulled(expected, dst_regions, dst_ids, kind) -> None:
 def test_source_process_killed_mid_stream_fails_both_kinds_of_pull():
     ids = list(range(8))
     with source_process(gather_delay_s=0.1) as (address, process, _):
-        sinks = {kind: make_sink(kind, kv_peer.kv_regions(20, seed=99, sink_side=True), True) for kind in kv_peer.REQUEST_IDS}
+        sinks = {
+            kind: make_sink(kind, kv_peer.kv_regions(20, seed=99, sink_side=True), True)
+            for kind in kv_peer.REQUEST_IDS
+        }
         try:
             transfers = {
-                kind: sinks[kind].start_pull(address, kv_peer.REQUEST_IDS[kind], kv_peer.SRC_IDS, ids) for kind in sinks
+                kind: sinks[kind].start_pull(address, kv_peer.REQUEST_IDS[kind], kv_peer.SRC_IDS, ids)
+                for kind in sinks
             }
             deadline = time.monotonic() + WAIT_S
-            while any(t.bytes_moved == 0 and not t.done for t in transfers.values()) and time.monotonic() < deadline:
+            while (
+                any(t.bytes_moved == 0 and not t.done for t in transfers.values())
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.01)
             process.kill()
             for kind, transfer in transfers.items():

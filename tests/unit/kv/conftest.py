@@ -6,13 +6,15 @@ import threading
 from collections.abc import Callable, Iterator
 
 import pytest
-
 from kv_helpers import TRANSPORTS, TransportFactory
+
 from pdserve.kv.transport import blocks
 
 
 @pytest.fixture(params=TRANSPORTS)
-def kv_transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[TransportFactory]:
+def kv_transport(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[TransportFactory]:
     """A factory for one transport kind; the test runs once per kind."""
     factory = TransportFactory(request.param, monkeypatch)
     yield factory

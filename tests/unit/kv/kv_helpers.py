@@ -20,7 +20,13 @@ from pdserve.kv.transport.nccl import NcclSink, NcclSource
 TRANSPORTS = ["fake", "grpc", "nccl"]
 TOKEN = "cluster-secret"
 LAYOUT = KVLayoutSpec(
-    model="test/llama-shaped", dtype="float16", block_size=4, kv_layout="mixed", tp_size=1, tp_rank=0, num_layers=3
+    model="test/llama-shaped",
+    dtype="float16",
+    block_size=4,
+    kv_layout="mixed",
+    tp_size=1,
+    tp_rank=0,
+    num_layers=3,
 )
 # Generous upper bound on any single wait: a pull here moves well under 1 MiB.
 WAIT_S = 15.0
@@ -55,7 +61,9 @@ def block_bytes(region: BlockRegion, block: int) -> torch.Tensor:
     return region.tensor.select(region.block_dim, block).contiguous().reshape(-1).view(torch.uint8)
 
 
-def assert_blocks_equal(src: list[BlockRegion], src_ids: list[int], dst: list[BlockRegion], dst_ids: list[int]) -> None:
+def assert_blocks_equal(
+    src: list[BlockRegion], src_ids: list[int], dst: list[BlockRegion], dst_ids: list[int]
+) -> None:
     """Every pulled block arrived byte for byte, in every region."""
     for i, (a, b) in enumerate(zip(src, dst, strict=True)):
         for s, d in zip(src_ids, dst_ids, strict=True):
@@ -77,8 +85,15 @@ class TransportFactory:
         self.released.append((request_id, reason))
         self.release_event.set()
 
-    def source(self, regions: list[BlockRegion], *, layout: KVLayoutSpec = LAYOUT, token: str = TOKEN,
-               small_pieces: bool = False, **kwargs: object) -> BlockSource:
+    def source(
+        self,
+        regions: list[BlockRegion],
+        *,
+        layout: KVLayoutSpec = LAYOUT,
+        token: str = TOKEN,
+        small_pieces: bool = False,
+        **kwargs: object,
+    ) -> BlockSource:
         common = dict(engine_id="prefill-0", cluster_token=token, on_release=self.on_release, **kwargs)
         if self.kind == "fake":
             if small_pieces:
@@ -92,9 +107,15 @@ class TransportFactory:
         self._built.append(built)
         return built
 
-    def sink(self, regions: list[BlockRegion], *, layout: KVLayoutSpec = LAYOUT, token: str = TOKEN,
-             small_pieces: bool = False) -> BlockSink:
-        common = dict(engine_id="decode-0", cluster_token=token)
+    def sink(
+        self,
+        regions: list[BlockRegion],
+        *,
+        layout: KVLayoutSpec = LAYOUT,
+        token: str = TOKEN,
+        small_pieces: bool = False,
+    ) -> BlockSink:
+        common = {"engine_id": "decode-0", "cluster_token": token}
         if self.kind == "fake":
             built = FakeSink(layout, regions, fabric=self.fabric, **common)
         else:

@@ -65,7 +65,9 @@ def test_cpu_fast_path_and_torch_path_agree_on_the_wire_form(tensor, block_dim):
     nbytes = region.info().block_nbytes
     piece = blocks.Piece(region=0, first=0, count=3, nbytes=3 * nbytes)
     index = blocks.block_index(ids, torch.device("cpu"))
-    expected = torch.cat([tensor.select(block_dim, b).contiguous().reshape(-1).view(torch.uint8) for b in ids])
+    expected = torch.cat(
+        [tensor.select(block_dim, b).contiguous().reshape(-1).view(torch.uint8) for b in ids]
+    )
 
     assert torch.equal(blocks.gather(region, index, piece), expected)
     assert blocks.gather_bytes(region, index, piece) == bytes(expected.tolist())

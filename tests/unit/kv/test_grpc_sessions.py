@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
 from kv_helpers import LAYOUT, TOKEN, kv_regions
+
 from pdserve.kv.proto import kv_transfer_pb2 as pb
 from pdserve.kv.proto import kv_transfer_pb2_grpc as pb_grpc
 from pdserve.kv.transport import wire
@@ -31,7 +31,9 @@ def test_pull_without_a_session_is_refused(source_stub):
         list(stub.PullBlocks(pb.PullBlocksRequest(request_id="req-1", block_ids=[1]), timeout=5))
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(grpc.RpcError) as refused:
-        stub.Release(pb.ReleaseRequest(request_id="req-1"), timeout=5, metadata=((wire.SESSION_KEY, "forged"),))
+        stub.Release(
+            pb.ReleaseRequest(request_id="req-1"), timeout=5, metadata=((wire.SESSION_KEY, "forged"),)
+        )
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert source.pinned_blocks("req-1") == (1,)
 
@@ -47,8 +49,12 @@ def test_refused_handshake_names_the_problem_in_its_status(source_stub):
 
 def test_plain_grpc_source_does_not_serve_the_nccl_side_channel(source_stub):
     _, stub = source_stub
-    reply = stub.Handshake(wire.hello_to_request(make_hello(LAYOUT, TOKEN, "client", "d", WIRE_VERSION)), timeout=5)
+    reply = stub.Handshake(
+        wire.hello_to_request(make_hello(LAYOUT, TOKEN, "client", "d", WIRE_VERSION)), timeout=5
+    )
     metadata = ((wire.SESSION_KEY, reply.session_id),)
     with pytest.raises(grpc.RpcError) as refused:
-        stub.SetupCommunicator(pb.SetupCommunicatorRequest(pair_id="p", backend="gloo"), timeout=5, metadata=metadata)
+        stub.SetupCommunicator(
+            pb.SetupCommunicatorRequest(pair_id="p", backend="gloo"), timeout=5, metadata=metadata
+        )
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED

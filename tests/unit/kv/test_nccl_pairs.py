@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from kv_helpers import LAYOUT, TOKEN, WAIT_S, assert_blocks_equal, kv_regions
+
 from pdserve.kv.transport.base import TransferState
 from pdserve.kv.transport.nccl import NcclSink, NcclSource, plan
 
@@ -13,7 +13,9 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture
 def pair_ends():
-    source = NcclSource(LAYOUT, kv_regions(16, seed=1), engine_id="prefill-0", cluster_token=TOKEN, pair_timeout_s=5)
+    source = NcclSource(
+        LAYOUT, kv_regions(16, seed=1), engine_id="prefill-0", cluster_token=TOKEN, pair_timeout_s=5
+    )
     sink = NcclSink(LAYOUT, kv_regions(16, seed=2, sink_side=True), engine_id="decode-0", cluster_token=TOKEN)
     yield source, sink
     sink.close()

@@ -6,6 +6,7 @@ import random
 import time
 
 import pytest
+from kv_helpers import WAIT_S, assert_blocks_equal, kv_regions, other_layout
 
 from pdserve.kv.transport.base import (
     AuthenticationError,
@@ -15,7 +16,6 @@ from pdserve.kv.transport.base import (
     TransferState,
     WireVersionError,
 )
-from kv_helpers import WAIT_S, assert_blocks_equal, kv_regions, other_layout
 
 pytestmark = pytest.mark.unit
 
@@ -45,7 +45,9 @@ def test_moves_random_blocks_between_differently_laid_out_tensors(kv_transport):
 def test_later_pulls_reuse_the_connection_and_stay_correct(kv_transport):
     src_regions, dst_regions = kv_regions(16, seed=3), kv_regions(16, seed=4, sink_side=True)
     source, sink = kv_transport.source(src_regions), kv_transport.sink(dst_regions)
-    for n, (src_ids, dst_ids) in enumerate([([1, 2, 3], [9, 10, 11]), ([15, 0], [0, 15]), (list(range(16)), list(range(15, -1, -1)))]):
+    for n, (src_ids, dst_ids) in enumerate(
+        [([1, 2, 3], [9, 10, 11]), ([15, 0], [0, 15]), (list(range(16)), list(range(15, -1, -1)))]
+    ):
         source.pin(f"req-{n}", src_ids)
         transfer = pull_and_wait(sink, source, f"req-{n}", src_ids, dst_ids)
         assert transfer.state is TransferState.DONE, transfer.error
@@ -55,7 +57,9 @@ def test_later_pulls_reuse_the_connection_and_stay_correct(kv_transport):
 def test_concurrent_pulls_all_complete(kv_transport):
     src_regions, dst_regions = kv_regions(24, seed=5), kv_regions(24, seed=6, sink_side=True)
     source, sink = kv_transport.source(src_regions), kv_transport.sink(dst_regions)
-    plans = [(f"req-{i}", list(range(i * 4, i * 4 + 4)), list(range(20 - i * 4, 24 - i * 4))) for i in range(5)]
+    plans = [
+        (f"req-{i}", list(range(i * 4, i * 4 + 4)), list(range(20 - i * 4, 24 - i * 4))) for i in range(5)
+    ]
     for request_id, src_ids, _ in plans:
         source.pin(request_id, src_ids)
     transfers = [sink.start_pull(source.address, rid, s, d) for rid, s, d in plans]
@@ -67,7 +71,10 @@ def test_concurrent_pulls_all_complete(kv_transport):
 
 def test_start_pull_returns_before_the_data_moves(kv_transport, slow_gather):
     slow_gather(0.1)  # the source needs at least 0.1 s for each of its several pieces
-    source, sink = kv_transport.source(kv_regions(8, seed=7)), kv_transport.sink(kv_regions(8, seed=8, sink_side=True))
+    source, sink = (
+        kv_transport.source(kv_regions(8, seed=7)),
+        kv_transport.sink(kv_regions(8, seed=8, sink_side=True)),
+    )
     source.pin("req-1", [1, 2])
     transfer = sink.start_pull(source.address, "req-1", [1, 2], [3, 4])
     assert transfer.state in (TransferState.PENDING, TransferState.TRANSFERRING)
