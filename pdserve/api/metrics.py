@@ -18,6 +18,9 @@ from pdserve.engine.types import EngineInfo, EngineStats
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
                  0.3, 0.5, 1.0, 2.5)
+# One 2048-token Llama-8B request is 256 MiB: ~0.7 ms over NVLink, ~1 s over a slow network.
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                     5.0, 10.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
@@ -58,6 +61,15 @@ class ServingMetrics:
                                      ["pool", "replica"], registry=r)
         self.engine_info = Gauge("pdserve_engine_info", "One series per engine (value 1).",
                                  ["pool", "replica", "pid", "node"], registry=r)
+        self.kv_bytes = Counter("pdserve_kv_transfer_bytes_total",
+                                "KV cache bytes pulled from prefill to decode engines.",
+                                ["transport"], registry=r)
+        self.kv_seconds = Histogram("pdserve_kv_transfer_seconds",
+                                    "Duration of one request's KV pull.", ["transport"],
+                                    buckets=_TRANSFER_BUCKETS, registry=r)
+        self.kv_failures = Counter("pdserve_kv_transfer_failures_total",
+                                   "KV pulls that failed or timed out.", ["transport"], registry=r)
+        self._kv_seen: dict[str, tuple[int, int]] = {}  # replica -> (bytes, failures) seen
         self.engines_up = Gauge("pdserve_engines_healthy", "Engines answering stats calls.",
                                 ["pool"], registry=r)
 
@@ -84,10 +96,26 @@ class ServingMetrics:
             self.kv_usage.labels(s.pool, s.replica_id).set(s.kv_cache_usage)
             self.engine_aborted.labels(s.pool, s.replica_id).set(s.num_aborted_total)
             self.engine_finished.labels(s.pool, s.replica_id).set(s.num_finished_total)
+            self._observe_transfers(s)
         for pool in running:
             self.running.labels(pool).set(running[pool])
             self.waiting.labels(pool).set(waiting[pool])
             self.engines_up.labels(pool).set(healthy[pool])
+
+    def _observe_transfers(self, s: EngineStats) -> None:
+        """Engines report cumulative totals; counters advance by what is new since last poll."""
+        if not s.kv_transport:
+            return
+        seen_bytes, seen_failures = self._kv_seen.get(s.replica_id, (0, 0))
+        # Totals below what we saw mean the engine restarted: count its totals afresh.
+        new_bytes = s.kv_transfer_bytes_total - (seen_bytes if s.kv_transfer_bytes_total >= seen_bytes else 0)
+        new_failures = s.kv_transfer_failures_total - (
+            seen_failures if s.kv_transfer_failures_total >= seen_failures else 0)
+        self._kv_seen[s.replica_id] = (s.kv_transfer_bytes_total, s.kv_transfer_failures_total)
+        self.kv_bytes.labels(s.kv_transport).inc(new_bytes)
+        self.kv_failures.labels(s.kv_transport).inc(new_failures)
+        for seconds in s.kv_transfer_seconds:
+            self.kv_seconds.labels(s.kv_transport).observe(seconds)
 
     def register_engines(self, infos: Iterable[EngineInfo]) -> None:
         for info in infos:

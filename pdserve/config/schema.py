@@ -70,6 +70,12 @@ class MockEngineConfig(_Section):
     max_model_len: int = Field(2048, ge=16, description="Context length the mock reports.")
     block_size: int = Field(16, ge=1, description="KV block size in tokens.")
     num_kv_blocks: int = Field(4096, ge=1, description="KV blocks per mock engine.")
+    kv_bytes_per_token: int = Field(
+        131072, ge=1, description="KV size per prompt token (Llama-3.1-8B: 128 KiB)."
+    )
+    transfer_bytes_per_s: float = Field(
+        50e9, gt=0, description="Simulated KV pull bandwidth of a decode leg."
+    )
 
 
 class EngineConfig(_Section):

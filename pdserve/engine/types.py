@@ -61,6 +61,11 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # 0..1
     num_aborted_total: int = 0
     num_finished_total: int = 0
+    # KV transfers this engine pulled (decode side), by its connector's transport.
+    kv_transport: str = ""
+    kv_transfer_bytes_total: int = 0
+    kv_transfer_failures_total: int = 0
+    kv_transfer_seconds: tuple[float, ...] = ()  # durations finished since the previous stats call
 
 
 @dataclass(frozen=True, slots=True)

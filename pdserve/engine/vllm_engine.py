@@ -16,7 +16,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
@@ -36,6 +36,18 @@ class _LatestSchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    kv_transport: str = ""
+    kv_bytes_total: int = 0
+    kv_failures_total: int = 0
+    kv_seconds: list[float] = field(default_factory=list)  # drained by each stats() call
+
+    def add_transfers(self, data: dict[str, Any]) -> None:
+        """Fold in one interval of pdserve's connector stats (`pdserve.kv.connector.stats`)."""
+        self.kv_transport = str(data.get("transport") or self.kv_transport)
+        self.kv_bytes_total += int(data.get("bytes", 0))
+        self.kv_failures_total += int(data.get("failures", 0))
+        # Bounded: a stats poll drains it every second; keep at most the latest 4096 pulls.
+        self.kv_seconds = (self.kv_seconds + [float(x) for x in data.get("seconds", ())])[-4096:]
 
 
 def _stat_logger_factory(sink: _LatestSchedulerStats):  # noqa: ANN202 - vLLM factory type
@@ -50,6 +62,9 @@ def _stat_logger_factory(sink: _LatestSchedulerStats):  # noqa: ANN202 - vLLM fa
                 sink.num_running = scheduler_stats.num_running_reqs
                 sink.num_waiting = scheduler_stats.num_waiting_reqs
                 sink.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+                transfers = getattr(scheduler_stats, "kv_connector_stats", None)
+                if isinstance(transfers, dict) and transfers:
+                    sink.add_transfers(transfers)
 
         def log_engine_initialized(self) -> None:
             pass
@@ -119,10 +134,13 @@ class VllmEngine:
 
     def stats(self) -> EngineStats:
         s = self._scheduler
+        seconds, s.kv_seconds = tuple(s.kv_seconds), []
         return EngineStats(
             replica_id=self._spec.replica_id, pool=self._spec.pool, num_running=s.num_running,
             num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
             num_aborted_total=self._aborted_total, num_finished_total=self._finished_total,
+            kv_transport=s.kv_transport, kv_transfer_bytes_total=s.kv_bytes_total,
+            kv_transfer_failures_total=s.kv_failures_total, kv_transfer_seconds=seconds,
         )
 
     async def shutdown(self) -> None:

@@ -45,6 +45,8 @@ class MockEngine:
         self._decode_task: asyncio.Task[None] | None = None
         self._aborted_total = 0
         self._finished_total = 0
+        self._kv_bytes = 0
+        self._kv_seconds: list[float] = []
 
     async def start(self) -> EngineInfo:
         self._decode_task = asyncio.get_running_loop().create_task(self._decode_loop())
@@ -82,7 +84,13 @@ class MockEngine:
             num_waiting=len(self._waiting),
             kv_cache_usage=min(1.0, used / self._settings.num_kv_blocks),
             num_aborted_total=self._aborted_total, num_finished_total=self._finished_total,
+            kv_transport="mock" if self._kv_bytes else "", kv_transfer_bytes_total=self._kv_bytes,
+            kv_transfer_seconds=tuple(self._drain_transfer_seconds()),
         )
+
+    def _drain_transfer_seconds(self) -> list[float]:
+        seconds, self._kv_seconds = self._kv_seconds, []
+        return seconds
 
     async def shutdown(self) -> None:
         if self._decode_task is not None:
@@ -93,14 +101,25 @@ class MockEngine:
         async with self._prefill_lock:
             if state.aborted:
                 return
-            # A decode leg whose KV arrives from a prefill engine computes one token only.
-            n = 1 if _remote_prefill(state.request) else len(state.request.prompt_token_ids)
+            # A decode leg whose KV arrives from a prefill engine pulls it, then computes one
+            # token only.
+            n = len(state.request.prompt_token_ids)
+            if _remote_prefill(state.request):
+                await self._simulate_pull(n - 1)
+                n = 1
             await asyncio.sleep(n / self._settings.prefill_tokens_per_s)
             if state.aborted:
                 return
             self._waiting.pop(state.request.request_id, None)
             self._running[state.request.request_id] = state
             self._emit(state)  # the first token comes out of the prefill step
+
+    async def _simulate_pull(self, prompt_tokens: int) -> None:
+        nbytes = prompt_tokens * self._settings.kv_bytes_per_token
+        seconds = nbytes / self._settings.transfer_bytes_per_s
+        await asyncio.sleep(seconds)
+        self._kv_bytes += nbytes
+        self._kv_seconds.append(seconds)
 
     async def _decode_loop(self) -> None:
         while True:

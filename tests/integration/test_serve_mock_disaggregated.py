@@ -72,6 +72,12 @@ def test_sixteen_concurrent_requests_over_1p2d_match_colocated(server):
     served = served(text)
     assert sum(served) == 16 and min(served) >= 4, served  # both decode engines took a share
     assert metric_value(text, "pdserve_engine_finished_requests", pool="prefill", replica="prefill-0") == 16
+    # Every decode leg pulled its prompt's KV (mock: 128 KiB per prompt token).
+    pulled = sum(len(tok.encode(p)) * 131072 for p in prompts)
+    text = wait_for_metrics(server.base_url, lambda t: (metric_value(
+        t, "pdserve_kv_transfer_bytes_total", transport="mock") or 0) >= pulled)
+    assert metric_value(text, "pdserve_kv_transfer_bytes_total", transport="mock") == pulled
+    assert metric_value(text, "pdserve_kv_transfer_seconds_count", transport="mock") == 16
 
 
 def test_streaming_sends_the_prefill_token_first(server):
