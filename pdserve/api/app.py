@@ -171,7 +171,7 @@ async def _poll_stats(backend: EngineBackend, metrics: ServingMetrics) -> None:
     while True:
         try:
             metrics.update_engines(await backend.refresh_stats(), backend.pools)
-        except Exception:  # noqa: BLE001 - a failed poll must not stop future polls
+        except Exception:
             logger.exception("engine stats poll failed")
         await asyncio.sleep(_STATS_INTERVAL_S)
 

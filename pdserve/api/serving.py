@@ -11,8 +11,8 @@ import asyncio
 import json
 import time
 import uuid
-from contextlib import aclosing
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 

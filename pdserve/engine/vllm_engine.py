@@ -50,7 +50,7 @@ class _LatestSchedulerStats:
         self.kv_seconds = (self.kv_seconds + [float(x) for x in data.get("seconds", ())])[-4096:]
 
 
-def _stat_logger_factory(sink: _LatestSchedulerStats):  # noqa: ANN202 - vLLM factory type
+def _stat_logger_factory(sink: _LatestSchedulerStats):
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class _Recorder(StatLoggerBase):

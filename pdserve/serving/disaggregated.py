@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from contextlib import aclosing
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
 from pdserve.engine.types import GenerateDelta, GenerateRequest
 from pdserve.errors import EngineRequestError, EngineUnavailableError

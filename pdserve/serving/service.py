@@ -54,11 +54,11 @@ async def serve(config: PdserveConfig) -> None:
         if backend is not None:
             try:
                 await backend.shutdown()
-            except Exception:  # noqa: BLE001 - keep releasing the rest
+            except Exception:
                 logger.exception("engine shutdown failed")
         try:
             ray.shutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:
             logger.exception("ray shutdown failed")
 
 
@@ -79,7 +79,7 @@ def init_ray(settings: RayConfig) -> None:
         ray.init(address=settings.address, namespace=settings.namespace, log_to_driver=True)
 
 
-def load_tokenizer(path: str, config: PdserveConfig):  # noqa: ANN201 - a transformers tokenizer
+def load_tokenizer(path: str, config: PdserveConfig):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)

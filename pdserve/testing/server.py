@@ -83,7 +83,7 @@ def metric_value(metrics_text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-def wait_for_metrics(base_url: str, ready, timeout_s: float = 15.0) -> str:  # noqa: ANN001
+def wait_for_metrics(base_url: str, ready, timeout_s: float = 15.0) -> str:
     """Scrape /metrics until `ready(text)` holds (engine gauges refresh about once a second)."""
     deadline = time.monotonic() + timeout_s
     while True:

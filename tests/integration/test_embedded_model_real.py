@@ -9,7 +9,6 @@ chats in ChatML, stops at <|im_end|>, and answers sensibly under greedy decoding
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest

@@ -170,9 +170,9 @@ async def test_closing_a_stream_aborts_the_engine_request():
     backend = make_backend(decode_step_s=0.01)
     await backend.start()
     app = build_app(backend, tiny_tokenizer(), MODEL)
-    from pdserve.api.serving import OpenAIServing
-    from pdserve.api.protocol import CompletionRequest
     from pdserve.api.metrics import ServingMetrics
+    from pdserve.api.protocol import CompletionRequest
+    from pdserve.api.serving import OpenAIServing
 
     serving = OpenAIServing(backend, tiny_tokenizer(), MODEL, ServingMetrics())
     prepared = await serving.prepare_completion(

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from pdserve.cli import build_parser, serve_overrides
 from pdserve.config import ServingMode, config_json_schema, load_config, parse_set_options
@@ -51,7 +52,7 @@ def test_cross_field_rule_tp_on_cpu():
 
 def test_config_is_frozen():
     config = load_config()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         config.api.port = 1  # type: ignore[misc]
 
 

@@ -1,0 +1,138 @@
+"""Colocated vs disaggregated pdserve vs plain `vllm serve`, on this machine's CPU.
+
+Each arm is started alone (so arms never compete for cores), measured with the same
+`pdserve bench serve` workload at each request rate, and stopped. Results (vllm-bench-compatible
+JSON, per-request CSV, latency CDF plots) go under --out; the side-by-side table is printed and
+saved as table.md.
+
+    .venv/bin/python benchmarks/cpu_compare.py --out benchmarks/results/cpu/<date> \\
+        --arms colocated disaggregated vllm --request-rates 0.5 1 2 --num-prompts 24
+
+On a 2-core host every engine shares the same two cores, so this run measures pdserve's
+overheads (routing, the prefill->decode hand-off, the KV pull) on equal hardware; it cannot show
+the interference relief disaggregation brings on separate GPUs. See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.models import ensure_embedded_model
+from pdserve.testing.server import RunningServer, free_port, start_server
+
+MODEL = "SmolLM2-135M-Instruct"
+PDSERVE_ARMS = {
+    "colocated": ["--mode", "colocated", "--replicas", "1"],
+    "disaggregated": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1",
+                      "--set", "pools.prefill.num_cpus=0.5", "--set", "pools.decode.num_cpus=0.5"],
+}
+
+
+def start_vllm(model_dir: Path, log_path: Path) -> RunningServer:
+    """Plain vLLM's own OpenAI server with the engine settings pdserve uses on CPU."""
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
+    log = log_path.open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+         "--served-model-name", MODEL, "--port", str(port), "--dtype", "float32",
+         "--enforce-eager", "--kv-cache-memory-bytes", str(1024**3), "--seed", "0"],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = RunningServer(process, port, log_path)
+    import httpx
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"vllm serve exited:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    server.stop()
+    raise RuntimeError("vllm serve did not start")
+
+
+def run_bench(server: RunningServer, arm: str, rate: float, args: argparse.Namespace,
+              tokenizer: Path, out: Path) -> dict:
+    name = f"{arm}-rate{rate:g}.json"
+    cmd = [sys.executable, "-m", "pdserve.bench.cli", "serve", "--base-url", server.base_url,
+           "--model", MODEL, "--tokenizer", str(tokenizer), "--dataset-name", "random",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--num-prompts", str(args.num_prompts), "--request-rate", str(rate),
+           "--num-warmups", "2", "--seed", "0", "--goodput", f"ttft:{args.ttft_ms}",
+           f"tpot:{args.tpot_ms}", "--save-result", "--result-dir", str(out),
+           "--result-filename", name, "--label", arm, "--disable-tqdm"]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return json.loads((out / name).read_text())
+
+
+def table(results: dict[str, dict[float, dict]], args: argparse.Namespace) -> str:
+    lines = [
+        f"random {args.input_len} in / {args.output_len} out, {args.num_prompts} prompts per "
+        f"point, SLO TTFT <= {args.ttft_ms} ms and TPOT <= {args.tpot_ms} ms",
+        "",
+        "| arm | rate req/s | done | p50 TTFT ms | p90 TTFT ms | p50 TPOT ms | p90 TPOT ms "
+        "| out tok/s | goodput req/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, points in results.items():
+        for rate, r in sorted(points.items()):
+            lines.append(
+                f"| {arm} | {rate:g} | {r['completed']}/{r['completed'] + r['failed']} "
+                f"| {r['median_ttft_ms']:.0f} | {r.get('p90_ttft_ms', float('nan')):.0f} "
+                f"| {r['median_tpot_ms']:.0f} | {r.get('p90_tpot_ms', float('nan')):.0f} "
+                f"| {r['output_throughput']:.1f} | {r.get('request_goodput', 0):.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--arms", nargs="+", default=["colocated", "disaggregated", "vllm"],
+                        choices=["colocated", "disaggregated", "vllm"])
+    parser.add_argument("--request-rates", nargs="+", type=float, default=[0.5, 1.0, 2.0])
+    parser.add_argument("--num-prompts", type=int, default=24)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--ttft-ms", type=float, default=2000)
+    parser.add_argument("--tpot-ms", type=float, default=250)
+    parser.add_argument("--transport", default="grpc", choices=["grpc", "nccl"])
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = ensure_embedded_model()
+    results: dict[str, dict[float, dict]] = {}
+    for arm in args.arms:
+        log = args.out / f"{arm}.log"
+        started = time.perf_counter()
+        if arm == "vllm":
+            server = start_vllm(model_dir, log)
+        else:
+            server = start_server(["--model", "embedded", "--transport", args.transport,
+                                   *PDSERVE_ARMS[arm]], log)
+        print(f"{arm}: healthy after {time.perf_counter() - started:.1f} s", flush=True)
+        try:
+            results[arm] = {rate: run_bench(server, arm, rate, args, model_dir, args.out)
+                            for rate in args.request_rates}
+        finally:
+            server.stop()
+    text = table(results, args)
+    machine = f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    (args.out / "table.md").write_text(f"{machine}\n\n{text}\n\ncommand: {' '.join(sys.argv)}\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
