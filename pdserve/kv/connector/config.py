@@ -1,0 +1,186 @@
+"""The connector's settings, read once from vLLM's `kv_transfer_config`, and the helper that
+builds that config for an engine.
+
+An engine gets the connector through `AsyncEngineArgs(kv_transfer_config=...)`; everything
+pdserve-specific rides in `kv_connector_extra_config` and is validated here, at engine start,
+with errors that name the offending key. The failure policy is vLLM's own
+`kv_load_failure_policy` (vLLM's scheduler applies it); `failure_policy` in the extra config
+must agree with it, and `kv_transfer_config()` sets both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.errors import ConfigError
+from pdserve.kv.transport.base import DEFAULT_LEASE_S
+
+__all__ = ["CONNECTOR_NAME", "ConnectorConfig", "kv_transfer_config", "vllm_kv_transfer_config"]
+
+CONNECTOR_NAME = "PdserveConnector"
+CONNECTOR_MODULE = "pdserve.kv.connector"
+TRANSPORTS = ("grpc", "nccl")
+FAILURE_POLICIES = ("recompute", "fail")
+# pdserve's pool names and vLLM's role names, both accepted by kv_transfer_config().
+_ROLES = {
+    "prefill": "kv_producer",
+    "decode": "kv_consumer",
+    "both": "kv_both",
+    "kv_producer": "kv_producer",
+    "kv_consumer": "kv_consumer",
+    "kv_both": "kv_both",
+}
+# A pull that has not finished after this long is failed by the transport (gRPC deadline) and
+# the policy applies. 60 s: a 256 MiB prompt takes ~1 s even at a slow 0.3 GB/s.
+DEFAULT_PULL_TIMEOUT_S = 60.0
+# How long a worker step that scheduled no tokens sleeps while transfers are outstanding.
+# vLLM steps in a tight loop while a finished request's blocks await release; without this, a
+# prefill engine idling on pinned blocks spins a core (measured: 100% of one of 2 cores). 2 ms
+# caps the spin at a few hundred empty steps a second and adds at most 2 ms to a report.
+DEFAULT_IDLE_SLEEP_S = 0.002
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """Validated `kv_connector_extra_config` plus the two vLLM fields the connector reads."""
+
+    role: str
+    transport: str
+    cluster_token: str
+    lease_s: float = DEFAULT_LEASE_S
+    failure_policy: str = "recompute"
+    host: str = "127.0.0.1"
+    bind_host: str | None = None
+    port: int = 0
+    pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S
+    idle_sleep_s: float = DEFAULT_IDLE_SLEEP_S
+    model_id: str | None = None
+
+    @property
+    def is_producer(self) -> bool:
+        """Serves prefilled blocks (prefill pool, or an engine doing both)."""
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        """Pulls prefilled blocks (decode pool, or an engine doing both)."""
+        return self.role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_vllm(cls, kv_transfer_config: Any) -> ConnectorConfig:
+        """Reads vLLM's KVTransferConfig; called once by each connector instance at engine start."""
+        extra = dict(getattr(kv_transfer_config, "kv_connector_extra_config", None) or {})
+        vllm_policy = getattr(kv_transfer_config, "kv_load_failure_policy", None)
+        if vllm_policy is not None:
+            declared = extra.setdefault("failure_policy", vllm_policy)
+            if declared != vllm_policy:
+                raise ConfigError(
+                    f"kv_connector_extra_config.failure_policy={declared!r} disagrees with "
+                    f"kv_load_failure_policy={vllm_policy!r}; vLLM applies the latter, set both"
+                )
+        return cls.from_extra(kv_transfer_config.kv_role, extra)
+
+    @classmethod
+    def from_extra(cls, role: str | None, extra: Mapping[str, Any]) -> ConnectorConfig:
+        """Validates an extra-config mapping; raises ConfigError naming the bad key."""
+        if role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ConfigError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {role!r}")
+        known = set(cls.__dataclass_fields__) - {"role"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}")
+        config = cls(role=role, **{k: v for k, v in extra.items() if k in known})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the first invalid field."""
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(
+                f"kv_connector_extra_config.transport must be one of {TRANSPORTS}, got {self.transport!r}"
+            )
+        if not isinstance(self.cluster_token, str) or not self.cluster_token:
+            raise ConfigError("kv_connector_extra_config.cluster_token must be a non-empty string")
+        if self.failure_policy not in FAILURE_POLICIES:
+            raise ConfigError(
+                f"kv_connector_extra_config.failure_policy must be one of {FAILURE_POLICIES}, "
+                f"got {self.failure_policy!r}"
+            )
+        for name in ("lease_s", "pull_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(
+                    f"kv_connector_extra_config.{name} must be a positive number, got {value!r}"
+                )
+        if (
+            isinstance(self.idle_sleep_s, bool)
+            or not isinstance(self.idle_sleep_s, (int, float))
+            or not (0 <= self.idle_sleep_s <= 0.1)
+        ):
+            raise ConfigError(
+                f"kv_connector_extra_config.idle_sleep_s must be in [0, 0.1], got {self.idle_sleep_s!r}"
+            )
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ConfigError(
+                f"kv_connector_extra_config.port must be 0 (any) or a TCP port, got {self.port!r}"
+            )
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError("kv_connector_extra_config.host must be the address peers reach this engine at")
+
+
+def kv_transfer_config(
+    role: str,
+    transport: str,
+    cluster_token: str,
+    *,
+    lease_s: float = DEFAULT_LEASE_S,
+    failure_policy: str = "recompute",
+    host: str = "127.0.0.1",
+    bind_host: str | None = None,
+    port: int = 0,
+    pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
+    model_id: str | None = None,
+    engine_id: str | None = None,
+) -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` for one engine, as a plain dict (JSON-able, for the CLI too).
+
+    `role`: "prefill", "decode" or "both" (or vLLM's kv_producer / kv_consumer / kv_both).
+    `host`: the address this engine's KV source advertises to decode engines. Validates
+    everything now (ConfigError naming the field) rather than at engine start. Pure.
+    """
+    if role not in _ROLES:
+        raise ConfigError(f"role must be one of {sorted(_ROLES)}, got {role!r}")
+    extra: dict[str, Any] = {
+        "transport": transport,
+        "cluster_token": cluster_token,
+        "lease_s": lease_s,
+        "failure_policy": failure_policy,
+        "host": host,
+        "port": port,
+        "pull_timeout_s": pull_timeout_s,
+    }
+    if bind_host is not None:
+        extra["bind_host"] = bind_host
+    if model_id is not None:
+        extra["model_id"] = model_id
+    ConnectorConfig.from_extra(_ROLES[role], extra)
+    config: dict[str, Any] = {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": _ROLES[role],
+        "kv_load_failure_policy": failure_policy,
+        "kv_connector_extra_config": extra,
+    }
+    if engine_id is not None:
+        config["engine_id"] = engine_id
+    return config
+
+
+def vllm_kv_transfer_config(*args: Any, **kwargs: Any) -> Any:
+    """`kv_transfer_config(...)` as vLLM's KVTransferConfig object, ready for
+    `AsyncEngineArgs(kv_transfer_config=...)` (which does not convert dicts). Imports vLLM."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(**kv_transfer_config(*args, **kwargs))

@@ -1,0 +1,334 @@
+"""Worker side of the connector: owns the transport endpoints and moves the blocks.
+
+Runs in each vLLM worker process (one per TP rank; the EngineCore process itself when TP=1).
+Lifecycle: `register_kv_caches` (once: regions, layout, a BlockSource on prefill engines) ->
+per engine step `apply(plan)` (pins, pulls, releases; from whichever vLLM hook runs first) and
+`get_finished()` (reports) -> `shutdown`. Sinks (decode side) are created on first use, one per
+transport named by the requests: an NCCL source also serves gRPC pulls.
+
+Prefill pins: pinned when their prompt completes (`plan.pins`), reported in the sending set
+only after vLLM confirms it waits on them (`plan.confirms`) AND the pin ended (pulled, released
+by the decode side, or lease expiry). Transport threads end pins; `_on_release` records that
+under a lock, and the engine thread reports it at the next `get_finished`.
+
+Decode pulls: started at once (`BlockSink.start_pull` never blocks), polled each step, each
+reported exactly once in the receiving set, whether it succeeded or failed. A failed pull's
+destination blocks are reported by `take_load_errors` in the same step, so vLLM applies
+kv_load_failure_policy; the remote pin is released (best effort; its lease covers the rest).
+The transports bound every pull (gRPC deadline, NCCL pair timeout), so none hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kv.connector.config import ConnectorConfig
+from pdserve.kv.connector.layout import build_layout, build_regions
+from pdserve.kv.connector.metadata import KVPin, KVPull, StepPlan, WorkerEndpoint
+from pdserve.kv.transport.base import (
+    BlockRegion,
+    BlockSink,
+    BlockSource,
+    KVLayoutSpec,
+    KVTransfer,
+    ReleaseReason,
+    TransferState,
+)
+
+logger = logging.getLogger(__name__)
+
+# Completed pulls kept for inspection (tests, debugging); old ones fall off.
+_HISTORY = 1024
+
+
+@dataclass(slots=True)
+class _Send:
+    """A pinned prefill request on this worker."""
+
+    block_ids: tuple[int, ...]
+    confirmed: bool = False
+    ended: ReleaseReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PullRecord:
+    """One finished pull: what a benchmark or test wants to know about it."""
+
+    request_id: str
+    state: TransferState
+    num_blocks: int
+    nbytes: int
+    seconds: float
+    error: str | None
+
+
+class WorkerSide:
+    """Transport endpoints and per-request transfer state of one worker."""
+
+    def __init__(
+        self, config: ConnectorConfig, *, engine_id: str, block_size: int, num_blocks: int, model_id: str
+    ):
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.model_id = model_id
+        self.tp_rank = 0
+        self.layout: KVLayoutSpec | None = None
+        self.regions: list[BlockRegion] = []
+        self.source: BlockSource | None = None
+        self._sinks: dict[str, BlockSink] = {}
+        self._lock = threading.Lock()  # guards _sends and _ready (transport threads end pins)
+        self._sends: dict[str, _Send] = {}
+        self._ready: set[str] = set()
+        self._pulls: dict[str, tuple[KVTransfer, KVPull]] = {}
+        self._load_errors: set[int] = set()
+        self._plan: StepPlan | None = None
+        self.history: deque[PullRecord] = deque(maxlen=_HISTORY)
+        self._unreported: list[PullRecord] = []
+
+    # ---- start and stop ------------------------------------------------------------------
+
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], *, tp_rank: int, tp_size: int
+    ) -> None:
+        """Builds regions and layout, and on a producer starts serving. Called once by vLLM's
+        model runner after allocating the KV cache; blocks only to bind the server port."""
+        self.tp_rank = tp_rank
+        self.regions = build_regions(kv_caches, self.num_blocks)
+        self.layout = build_layout(
+            self.regions, model_id=self.model_id, block_size=self.block_size, tp_rank=tp_rank, tp_size=tp_size
+        )
+        if self.config.is_producer:
+            self.source = self._make_source()
+        info = self.regions[0].info() if self.regions else None
+        logger.info(
+            "pdserve KV connector worker %s (tp %d/%d): %d regions, block %s, source %s",
+            self.engine_id,
+            tp_rank,
+            tp_size,
+            len(self.regions),
+            info,
+            self.source.address if self.source else None,
+        )
+
+    def _make_source(self) -> BlockSource:
+        from pdserve.kv.transport.grpc import GrpcSource
+        from pdserve.kv.transport.nccl import NcclSource
+
+        cls = NcclSource if self.config.transport == "nccl" else GrpcSource
+        port = self.config.port + self.tp_rank if self.config.port else 0
+        assert self.layout is not None
+        return cls(
+            self.layout,
+            self.regions,
+            engine_id=self._transport_id(),
+            cluster_token=self.config.cluster_token,
+            on_release=self._on_release,
+            lease_s=self.config.lease_s,
+            host=self.config.bind_host or self.config.host,
+            port=port,
+            advertise_host=self.config.host,
+        )
+
+    def _sink(self, transport: str) -> BlockSink:
+        if transport not in self._sinks:
+            from pdserve.kv.transport.grpc import GrpcSink
+            from pdserve.kv.transport.nccl import NcclSink
+
+            cls = NcclSink if transport == "nccl" else GrpcSink
+            assert self.layout is not None
+            self._sinks[transport] = cls(
+                self.layout,
+                self.regions,
+                engine_id=self._transport_id(),
+                cluster_token=self.config.cluster_token,
+                pull_timeout_s=self.config.pull_timeout_s,
+            )
+        return self._sinks[transport]
+
+    def _transport_id(self) -> str:
+        return f"{self.engine_id}-tp{self.tp_rank}"
+
+    def endpoint(self) -> WorkerEndpoint:
+        """What vLLM hands the scheduler side at engine start (handshake metadata)."""
+        address = self.source.address if self.source is not None else None
+        return WorkerEndpoint(self.tp_rank, address, self.config.transport, self.engine_id)
+
+    def shutdown(self) -> None:
+        """Stops serving and pulling; called once by vLLM at worker shutdown. Each endpoint is
+        closed on its own so one failure does not leak the others."""
+        for sink in list(self._sinks.values()):
+            try:
+                sink.close()
+            except Exception:
+                logger.exception("closing a KV sink failed")
+        self._sinks.clear()
+        if self.source is not None:
+            try:
+                self.source.close()
+            except Exception:
+                logger.exception("closing the KV source failed")
+            self.source = None
+
+    # ---- each step -----------------------------------------------------------------------
+
+    def apply(self, plan: StepPlan) -> None:
+        """Carries out a step's plan once, however many hooks hand it over. Called by the
+        facade from bind_connector_metadata / start_load_kv / get_finished on the engine
+        thread; never blocks on the network (pins and pull starts return at once)."""
+        if plan is self._plan:
+            return
+        self._plan = plan
+        for request_id in plan.drops:
+            self._drop(request_id)
+        for pin in plan.pins:
+            self._pin(pin, confirmed=False)
+        for pin in plan.confirms:
+            self._confirm(pin)
+        for pull in plan.pulls:
+            self._start_pull(pull)
+        for release in plan.releases:
+            remote = release.remote
+            self._sink(remote.transport).release_remote(
+                remote.address_for_rank(self.tp_rank), remote.remote_request_id
+            )
+
+    def _drop(self, request_id: str) -> None:
+        with self._lock:
+            self._sends.pop(request_id, None)
+            self._ready.discard(request_id)
+        if self.source is not None:
+            self.source.release(request_id)  # its on_release finds no entry and is ignored
+
+    def _pin(self, pin: KVPin, *, confirmed: bool) -> None:
+        with self._lock:
+            self._sends[pin.request_id] = _Send(pin.block_ids, confirmed=confirmed)
+        try:
+            if self.source is None:
+                raise RuntimeError("this engine has no KV source (kv_role is kv_consumer)")
+            self.source.pin(pin.request_id, pin.block_ids, self.config.lease_s)
+        except Exception as exc:  # noqa: BLE001 - a pin that cannot exist ends at once
+            logger.error("request %s: cannot pin blocks %s: %s", pin.request_id, pin.block_ids, exc)
+            self._on_release(pin.request_id, ReleaseReason.LOCAL)
+
+    def _confirm(self, pin: KVPin) -> None:
+        with self._lock:
+            send = self._sends.get(pin.request_id)
+            repin = (
+                send is None or send.block_ids != pin.block_ids or send.ended is ReleaseReason.LEASE_EXPIRED
+            )
+            if not repin:
+                send.confirmed = True
+                if send.ended is not None:
+                    self._ready.add(pin.request_id)
+        if repin:
+            self._pin(pin, confirmed=True)
+
+    def _on_release(self, request_id: str, reason: ReleaseReason) -> None:
+        """A pin ended (transport thread, lease reaper, or this thread)."""
+        with self._lock:
+            send = self._sends.get(request_id)
+            if send is None:
+                return
+            send.ended = reason
+            if send.confirmed:
+                self._ready.add(request_id)
+        if reason is ReleaseReason.LEASE_EXPIRED:
+            logger.warning("request %s: KV lease expired before a decode engine pulled it", request_id)
+
+    def _start_pull(self, pull: KVPull) -> None:
+        remote = pull.remote
+        try:
+            sink = self._sink(remote.transport)
+            handle = sink.start_pull(
+                remote.address_for_rank(self.tp_rank),
+                remote.remote_request_id,
+                pull.src_block_ids,
+                pull.dst_block_ids,
+            )
+        except Exception as exc:  # noqa: BLE001 - failures are state, reported with the policy
+            handle = KVTransfer(remote.remote_request_id, remote.remote_address, len(pull.dst_block_ids))
+            handle.finish(f"could not start the pull: {type(exc).__name__}: {exc}")
+        self._pulls[pull.request_id] = (handle, pull)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(prefill requests whose blocks may be freed, decode requests whose pull ended).
+
+        Called by vLLM's model runner once per step on the engine thread; never blocks on the
+        network. On a step that scheduled no tokens while transfers are outstanding it sleeps
+        `idle_sleep_s` so vLLM's idle loop does not spin a core.
+        """
+        with self._lock:
+            sending, self._ready = self._ready, set()
+            for request_id in sending:
+                self._sends.pop(request_id, None)
+        recving = {request_id for request_id, (handle, _) in self._pulls.items() if handle.done}
+        for request_id in recving:
+            self._finish_pull(request_id)
+        idle = self._plan is None or self._plan.num_scheduled_tokens == 0
+        if idle and not sending and not recving and (self._pulls or self._sends) and self.config.idle_sleep_s:
+            time.sleep(self.config.idle_sleep_s)
+        return sending, recving
+
+    def _finish_pull(self, request_id: str) -> None:
+        handle, pull = self._pulls.pop(request_id)
+        record = PullRecord(
+            request_id,
+            handle.state,
+            len(pull.dst_block_ids),
+            handle.bytes_moved,
+            handle.elapsed_s,
+            handle.error,
+        )
+        self.history.append(record)
+        self._unreported.append(record)
+        if handle.state is TransferState.DONE:
+            logger.info(
+                "request %s: pulled %d blocks (%.1f MiB) in %.1f ms from %s",
+                request_id,
+                record.num_blocks,
+                record.nbytes / 2**20,
+                record.seconds * 1e3,
+                handle.remote_address,
+            )
+            return
+        logger.warning(
+            "request %s: KV pull from %s failed (%s); kv_load_failure_policy=%s applies",
+            request_id,
+            handle.remote_address,
+            handle.error,
+            self.config.failure_policy,
+        )
+        self._load_errors.update(pull.dst_block_ids)
+        remote = pull.remote
+        try:
+            self._sink(remote.transport).release_remote(
+                remote.address_for_rank(self.tp_rank), remote.remote_request_id
+            )
+        except Exception:
+            logger.debug("release after a failed pull of %s failed", request_id, exc_info=True)
+
+    def take_load_errors(self) -> set[int]:
+        """Destination blocks of pulls that failed since the last call; called by vLLM right
+        after get_finished in the same step (so failures arrive with the receiving report)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_pull_records(self) -> list[PullRecord]:
+        """Pulls finished since the last call, for vLLM's connector stats (once per step)."""
+        records, self._unreported = self._unreported, []
+        return records
+
+    @property
+    def num_outstanding(self) -> int:
+        """Pins and pulls not yet reported; tests check it returns to zero."""
+        with self._lock:
+            return len(self._sends) + len(self._pulls)
