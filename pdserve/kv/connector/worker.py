@@ -24,8 +24,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -38,6 +39,7 @@ from pdserve.kv.transport.base import (
     BlockSource,
     KVLayoutSpec,
     KVTransfer,
+    ReleaseCallback,
     ReleaseReason,
     TransferState,
 )
@@ -46,6 +48,75 @@ logger = logging.getLogger(__name__)
 
 # Completed pulls kept for inspection (tests, debugging); old ones fall off.
 _HISTORY = 1024
+
+
+class Transports(Protocol):
+    """Builds a worker's endpoints; the network one below, or a fake in tests."""
+
+    def make_source(
+        self,
+        layout: KVLayoutSpec,
+        regions: Sequence[BlockRegion],
+        *,
+        engine_id: str,
+        on_release: ReleaseCallback,
+        tp_rank: int,
+    ) -> BlockSource: ...
+
+    def make_sink(
+        self, transport: str, layout: KVLayoutSpec, regions: Sequence[BlockRegion], *, engine_id: str
+    ) -> BlockSink: ...
+
+
+class NetworkTransports:
+    """gRPC or NCCL endpoints from the connector config. An NCCL source serves gRPC pulls too,
+    so a decode worker pulls over whichever transport a request names."""
+
+    def __init__(self, config: ConnectorConfig):
+        self.config = config
+
+    def make_source(
+        self,
+        layout: KVLayoutSpec,
+        regions: Sequence[BlockRegion],
+        *,
+        engine_id: str,
+        on_release: ReleaseCallback,
+        tp_rank: int,
+    ) -> BlockSource:
+        """Starts serving at once (binds the port); called once per producer worker."""
+        from pdserve.kv.transport.grpc import GrpcSource
+        from pdserve.kv.transport.nccl import NcclSource
+
+        cls = NcclSource if self.config.transport == "nccl" else GrpcSource
+        port = self.config.port + tp_rank if self.config.port else 0  # one port per TP rank
+        return cls(
+            layout,
+            regions,
+            engine_id=engine_id,
+            cluster_token=self.config.cluster_token,
+            on_release=on_release,
+            lease_s=self.config.lease_s,
+            host=self.config.bind_host or self.config.host,
+            port=port,
+            advertise_host=self.config.host,
+        )
+
+    def make_sink(
+        self, transport: str, layout: KVLayoutSpec, regions: Sequence[BlockRegion], *, engine_id: str
+    ) -> BlockSink:
+        """A sink pulling over `transport`; called on the first pull that names it."""
+        from pdserve.kv.transport.grpc import GrpcSink
+        from pdserve.kv.transport.nccl import NcclSink
+
+        cls = NcclSink if transport == "nccl" else GrpcSink
+        return cls(
+            layout,
+            regions,
+            engine_id=engine_id,
+            cluster_token=self.config.cluster_token,
+            pull_timeout_s=self.config.pull_timeout_s,
+        )
 
 
 @dataclass(slots=True)
@@ -73,9 +144,17 @@ class WorkerSide:
     """Transport endpoints and per-request transfer state of one worker."""
 
     def __init__(
-        self, config: ConnectorConfig, *, engine_id: str, block_size: int, num_blocks: int, model_id: str
+        self,
+        config: ConnectorConfig,
+        *,
+        engine_id: str,
+        block_size: int,
+        num_blocks: int,
+        model_id: str,
+        transports: Transports | None = None,
     ):
         self.config = config
+        self.transports = transports or NetworkTransports(config)
         self.engine_id = engine_id
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -107,7 +186,13 @@ class WorkerSide:
             self.regions, model_id=self.model_id, block_size=self.block_size, tp_rank=tp_rank, tp_size=tp_size
         )
         if self.config.is_producer:
-            self.source = self._make_source()
+            self.source = self.transports.make_source(
+                self.layout,
+                self.regions,
+                engine_id=self._transport_id(),
+                on_release=self._on_release,
+                tp_rank=tp_rank,
+            )
         info = self.regions[0].info() if self.regions else None
         logger.info(
             "pdserve KV connector worker %s (tp %d/%d): %d regions, block %s, source %s",
@@ -119,38 +204,11 @@ class WorkerSide:
             self.source.address if self.source else None,
         )
 
-    def _make_source(self) -> BlockSource:
-        from pdserve.kv.transport.grpc import GrpcSource
-        from pdserve.kv.transport.nccl import NcclSource
-
-        cls = NcclSource if self.config.transport == "nccl" else GrpcSource
-        port = self.config.port + self.tp_rank if self.config.port else 0
-        assert self.layout is not None
-        return cls(
-            self.layout,
-            self.regions,
-            engine_id=self._transport_id(),
-            cluster_token=self.config.cluster_token,
-            on_release=self._on_release,
-            lease_s=self.config.lease_s,
-            host=self.config.bind_host or self.config.host,
-            port=port,
-            advertise_host=self.config.host,
-        )
-
     def _sink(self, transport: str) -> BlockSink:
         if transport not in self._sinks:
-            from pdserve.kv.transport.grpc import GrpcSink
-            from pdserve.kv.transport.nccl import NcclSink
-
-            cls = NcclSink if transport == "nccl" else GrpcSink
             assert self.layout is not None
-            self._sinks[transport] = cls(
-                self.layout,
-                self.regions,
-                engine_id=self._transport_id(),
-                cluster_token=self.config.cluster_token,
-                pull_timeout_s=self.config.pull_timeout_s,
+            self._sinks[transport] = self.transports.make_sink(
+                transport, self.layout, self.regions, engine_id=self._transport_id()
             )
         return self._sinks[transport]
 

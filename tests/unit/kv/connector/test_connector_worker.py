@@ -1,0 +1,239 @@
+"""The connector's worker side over the fake transport, driven by real scheduler-side plans:
+pins, leases, pulls, failures, and exactly-once completion reports."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from connector_fakes import BLOCK, FakeRequest, FakeTransports, Status, config, kv_caches
+
+from pdserve.kv.connector import worker as worker_module
+from pdserve.kv.connector.compat import ScheduledRequest
+from pdserve.kv.connector.metadata import StepPlan
+from pdserve.kv.connector.scheduler import SchedulerSide
+from pdserve.kv.connector.worker import WorkerSide
+
+pytestmark = pytest.mark.unit
+
+NUM_BLOCKS = 16
+WAIT_S = 10.0
+
+
+class Engine:
+    """One engine's two connector sides (scheduler + one worker) over shared fake transports."""
+
+    def __init__(self, role: str, transports: FakeTransports, *, seed: int, **extra: object):
+        self.config = config(role, **extra)
+        self.scheduler = SchedulerSide(self.config, engine_id=f"{role}-engine", block_size=BLOCK)
+        self.worker = WorkerSide(
+            self.config,
+            engine_id=f"{role}-engine",
+            block_size=BLOCK,
+            num_blocks=NUM_BLOCKS,
+            model_id="m",
+            transports=transports,
+        )
+        self.caches = kv_caches(NUM_BLOCKS, seed=seed)
+        self.worker.register_kv_caches(self.caches, tp_rank=0, tp_size=1)
+        self.scheduler.set_endpoints({0: self.worker.endpoint()})
+        self.sent: list[str] = []
+        self.received: list[str] = []
+        self.load_errors: set[int] = set()
+
+    def step(self, scheduled: list[ScheduledRequest] | None = None, tokens: int = 0) -> StepPlan:
+        """One engine step: plan, apply, report."""
+        plan = self.scheduler.build_step_plan(scheduled or [], tokens)
+        self.worker.apply(plan)
+        sending, recving = self.worker.get_finished()
+        self.sent += sorted(sending)
+        self.received += sorted(recving)
+        self.load_errors |= self.worker.take_load_errors()
+        return plan
+
+    def step_until(self, predicate, what: str) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            self.step()
+            time.sleep(0.005)
+
+    def block(self, block_id: int) -> torch.Tensor:
+        return torch.stack([t[block_id] for t in self.caches.values()])
+
+
+@pytest.fixture
+def transports() -> Iterator[FakeTransports]:
+    fakes = FakeTransports()
+    yield fakes
+    for endpoint in [*fakes.sinks, *fakes.sources]:
+        endpoint.close()
+
+
+def prefill(engine: Engine, prompt: int, request_id: str = "p-1") -> tuple[FakeRequest, dict]:
+    """Runs a prefill request through its one step and request_finished; returns its params."""
+    request = FakeRequest(request_id, prompt, {"do_remote_decode": True})
+    n = -(-prompt // BLOCK)
+    engine.scheduler.update_state_after_alloc(request, list(range(n)), 0)
+    engine.step([ScheduledRequest(request_id, tuple(range(n)), True, 0, prompt)], prompt)
+    request.num_computed_tokens, request.status = prompt, Status.FINISHED_LENGTH_CAPPED
+    keep, params = engine.scheduler.request_finished(request, list(range(n + 1)))
+    assert keep is True and params is not None
+    return request, params
+
+
+def start_decode(engine: Engine, prompt: int, params: dict, request_id: str = "d-1") -> list[int]:
+    """Admits a decode request into fresh blocks 8.. and plans its pull; returns those blocks."""
+    request = FakeRequest(request_id, prompt + 1, params)
+    count, is_async = engine.scheduler.get_num_new_matched_tokens(request, 0)
+    assert (count, is_async) == (prompt, True)
+    dst = list(range(8, 8 + -(-prompt // BLOCK)))
+    engine.scheduler.update_state_after_alloc(request, dst, count)
+    return dst
+
+
+def test_decode_pulls_the_prompt_blocks_and_both_sides_report_once(transports: FakeTransports) -> None:
+    p, d = Engine("kv_producer", transports, seed=1), Engine("kv_consumer", transports, seed=2)
+    _, params = prefill(p, 300)
+    p.step()  # confirm
+    dst = start_decode(d, 300, params)
+
+    d.step_until(lambda: d.received, "the pull")
+    p.step_until(lambda: p.sent, "the prefill release")
+
+    assert d.received == ["d-1"] and p.sent == ["p-1"] and not d.load_errors
+    for src_block, dst_block in zip(params["remote_block_ids"], dst, strict=True):
+        assert torch.equal(p.block(src_block), d.block(dst_block))
+    for _ in range(3):
+        p.step(), d.step()
+    assert d.received == ["d-1"] and p.sent == ["p-1"]  # exactly once
+    assert p.worker.num_outstanding == d.worker.num_outstanding == 0
+    (record,) = d.worker.history
+    assert record.nbytes == 3 * 3 * p.caches["model.layers.0.self_attn.attn"][0].numel() * 4
+
+
+def test_pull_before_vllm_confirms_is_reported_at_the_confirm(transports: FakeTransports) -> None:
+    p, d = Engine("kv_producer", transports, seed=1), Engine("kv_consumer", transports, seed=2)
+    _, params = prefill(p, 200)  # pinned in its step; the confirm is still pending
+    start_decode(d, 200, params)
+    d.step_until(lambda: d.received, "the pull")
+    assert not p.sent
+
+    p.step()  # the confirm arrives after the pin already ended
+
+    assert p.sent == ["p-1"]
+
+
+def test_unpulled_pin_is_reported_when_its_lease_expires(transports: FakeTransports) -> None:
+    transports.lease_s = 0.2
+    p = Engine("kv_producer", transports, seed=1, lease_s=0.2)
+    prefill(p, 200)
+    p.step()
+
+    p.step_until(lambda: p.sent, "lease expiry")
+    assert p.sent == ["p-1"] and p.worker.num_outstanding == 0
+
+
+def test_lease_that_expired_before_the_confirm_is_renewed(transports: FakeTransports) -> None:
+    p = Engine("kv_producer", transports, seed=1, lease_s=0.2)
+    _, params = prefill(p, 200)
+    time.sleep(0.5)  # the pin made in the prefill step expired; the confirm comes late
+    p.step()
+    assert not p.sent
+    assert transports.sources[0].pinned_blocks(params["remote_request_id"]) == (0, 1)
+
+
+def test_dropped_prefill_is_never_reported(transports: FakeTransports) -> None:
+    p = Engine("kv_producer", transports, seed=1)
+    request = FakeRequest("p-1", 200, {"do_remote_decode": True})
+    p.scheduler.update_state_after_alloc(request, [0, 1], 0)
+    p.step([ScheduledRequest("p-1", (0, 1), True, 0, 200)], 200)
+    assert transports.sources[0].pinned_blocks("p-1") == (0, 1)
+    request.status = Status.FINISHED_ABORTED
+
+    assert p.scheduler.request_finished(request, [0, 1]) == (False, None)
+    p.step()
+
+    assert transports.sources[0].pinned_blocks("p-1") is None
+    assert not p.sent and p.worker.num_outstanding == 0
+
+
+@pytest.mark.parametrize("trouble", ["fail", "kill"])
+def test_failed_pull_reports_its_blocks_as_load_errors_with_the_request(
+    transports: FakeTransports, trouble: str
+) -> None:
+    p, d = Engine("kv_producer", transports, seed=1), Engine("kv_consumer", transports, seed=2)
+    _, params = prefill(p, 300)
+    p.step()
+    if trouble == "fail":
+        transports.fabric.fail_with = "injected failure"
+    else:
+        transports.fabric.kill(params["remote_address"])
+    dst = start_decode(d, 300, params)
+
+    def reported() -> bool:
+        d.step()
+        return bool(d.received)
+
+    deadline = time.monotonic() + WAIT_S
+    while not reported():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    # The errors arrive in the same step as the receiving report, as vLLM requires.
+    assert d.received == ["d-1"] and d.load_errors == set(dst)
+    assert d.worker.history[-1].error is not None
+    if trouble == "fail":  # a reachable source was told to release: its engine frees the blocks
+        p.step_until(lambda: p.sent, "the release after the failure")
+
+
+def test_decode_aborted_mid_pull_is_reported_once_the_pull_ends(transports: FakeTransports) -> None:
+    transports.fabric.delay_s = 0.05
+    p, d = Engine("kv_producer", transports, seed=1), Engine("kv_consumer", transports, seed=2)
+    _, params = prefill(p, 300)
+    p.step()
+    start_decode(d, 300, params)
+    d.step()  # the pull starts
+    aborted = FakeRequest("d-1", 301, params, status=Status.FINISHED_ABORTED)
+    assert d.scheduler.request_finished(aborted, list(range(8, 11))) == (False, None)
+
+    d.step_until(lambda: d.received, "the pull to end")
+    p.step_until(lambda: p.sent, "the source pin to end")
+    assert d.received == ["d-1"] and p.sent == ["p-1"]
+
+
+def test_release_in_a_plan_ends_the_remote_pin(transports: FakeTransports) -> None:
+    p, d = Engine("kv_producer", transports, seed=1), Engine("kv_consumer", transports, seed=2)
+    _, params = prefill(p, 200)
+    p.step()
+    request = FakeRequest("d-1", 201, params, status=Status.FINISHED_ABORTED)
+    d.scheduler.request_finished(request, [])  # aborted before the scheduler ever admitted it
+
+    d.step()
+
+    p.step_until(lambda: p.sent, "the remote release")
+    assert not d.received
+
+
+def test_a_plan_is_applied_once_however_many_hooks_pass_it(transports: FakeTransports) -> None:
+    p, d = Engine("kv_producer", transports, seed=1), Engine("kv_consumer", transports, seed=2)
+    _, params = prefill(p, 200)
+    p.step()
+    start_decode(d, 200, params)
+    plan = d.scheduler.build_step_plan([], 0)
+    for _ in range(3):  # bind_connector_metadata, start_load_kv, get_finished
+        d.worker.apply(plan)
+    assert len(d.worker._pulls) == 1
+
+
+def test_idle_steps_with_outstanding_transfers_sleep(transports: FakeTransports, monkeypatch) -> None:
+    sleeps: list[float] = []
+    monkeypatch.setattr(worker_module.time, "sleep", sleeps.append)
+    p = Engine("kv_producer", transports, seed=1)
+    prefill(p, 200)
+
+    p.step(tokens=0)  # confirm only: nothing scheduled, a pin outstanding
+    p.step(tokens=5)  # a busy step never sleeps
+
+    assert sleeps == [p.config.idle_sleep_s]
