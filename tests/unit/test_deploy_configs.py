@@ -1,0 +1,190 @@
+"""deploy/: every cluster YAML is one Ray's own schema accepts, every app config is one pdserve
+loads, the pools of each app config land on its cluster's worker node types, and the monitoring
+files agree with the metrics pdserve exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+import ray.autoscaler
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+from pdserve.api.metrics import ServingMetrics
+from pdserve.config import load_config
+from pdserve.config.schema import ServingMode
+
+pytestmark = pytest.mark.unit
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+MONITORING = DEPLOY / "monitoring"
+DASHBOARD = MONITORING / "grafana" / "dashboards" / "pdserve.json"
+CLUSTERS = sorted(DEPLOY.glob("*/cluster.yaml"))
+APPS = sorted(DEPLOY.glob("*/app.yaml"))
+MONITORING_YAMLS = {
+    MONITORING / "prometheus.yml",
+    MONITORING / "docker-compose.yml",
+    MONITORING / "grafana" / "provisioning" / "datasources" / "prometheus.yml",
+    MONITORING / "grafana" / "provisioning" / "dashboards" / "pdserve.yml",
+}
+# On the dashboard before pdserve exports them (the autoscaler is being built).
+PLANNED_METRICS = {"pdserve_pool_replicas", "pdserve_scaling_decisions_total"}
+# Ray's autoscaler metrics (the `ray` scrape job): nodes per node type.
+RAY_METRICS = {"autoscaler_active_nodes", "autoscaler_pending_nodes"}
+
+
+def ids(paths: list[Path]) -> list[str]:
+    return [str(p.relative_to(DEPLOY)) for p in paths]
+
+
+def ray_schema() -> dict:
+    return json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+
+
+def test_every_yaml_in_deploy_is_checked_here():
+    found = set(DEPLOY.rglob("*.yaml")) | set(DEPLOY.rglob("*.yml"))
+    assert found == set(CLUSTERS) | set(APPS) | MONITORING_YAMLS
+    assert {p.parent for p in CLUSTERS} == {p.parent for p in APPS}, "one app config per cluster"
+    assert len(CLUSTERS) >= 2
+
+
+@pytest.mark.parametrize("path", CLUSTERS, ids=ids(CLUSTERS))
+def test_cluster_yaml_passes_rays_schema_and_ray_up_config_checks(path):
+    config = yaml.safe_load(path.read_text())
+    jsonschema.validate(config, ray_schema())
+    # What `ray up` does before it touches a cloud: fill defaults, check node types.
+    validate_config(prepare_config(config))
+
+
+@pytest.mark.parametrize("path", CLUSTERS, ids=ids(CLUSTERS))
+def test_setup_commands_install_pdserve_with_its_gpu_extra(path):
+    config = yaml.safe_load(path.read_text())
+    assert any('pdserve[gpu]"' in cmd and "install" in cmd for cmd in config["setup_commands"])
+    assert config["file_mounts"] == {"~/pdserve": "."}
+
+
+@pytest.mark.parametrize("path", APPS, ids=ids(APPS))
+def test_app_config_loads_and_joins_the_cluster(path):
+    config = load_config(path)
+    assert config.ray.address == "auto"
+    for role in config.active_roles():
+        pool = config.pools.for_role(role)
+        # Explicit: the head has no GPU and workers may still be starting when the service does.
+        assert pool.num_gpus == config.engine.tensor_parallel_size
+        assert pool.resources, f"pools.{role.value} must ask for its node type's resource"
+
+
+def node_type_resources(cluster: dict) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """(head resources, worker node types' resources) as `ray start` will advertise them."""
+    if cluster["provider"]["type"] == "local":  # one node type: resources go on the command line
+        def started_with(commands: list[str]) -> dict[str, float]:
+            found = re.search(r"--resources='(\{.*?\})'", " ".join(commands))
+            return json.loads(found.group(1)) if found else {}
+        return (started_with(cluster["head_start_ray_commands"]),
+                [started_with(cluster["worker_start_ray_commands"])])
+    types = cluster["available_node_types"]
+    head = cluster["head_node_type"]
+    return (types[head].get("resources", {}),
+            [t.get("resources", {}) for name, t in types.items() if name != head])
+
+
+@pytest.mark.parametrize("path", CLUSTERS, ids=ids(CLUSTERS))
+def test_every_pool_lands_on_a_worker_node_type_and_never_on_the_head(path):
+    cluster = yaml.safe_load(path.read_text())
+    app = load_config(path.with_name("app.yaml"))
+    head, workers = node_type_resources(cluster)
+    for role in app.active_roles():
+        wanted = app.pools.for_role(role).resources
+        assert any(all(node.get(k, 0) >= v for k, v in wanted.items()) for node in workers), role
+        assert not any(k in head for k in wanted), f"the head would host {role.value} engines"
+
+
+def test_the_cloud_cluster_has_prefill_and_decode_node_types_for_a_disaggregated_app():
+    cloud = [p for p in CLUSTERS if yaml.safe_load(p.read_text())["provider"]["type"] != "local"]
+    assert cloud
+    for path in cloud:
+        assert load_config(path.with_name("app.yaml")).mode is ServingMode.DISAGGREGATED
+        types = yaml.safe_load(path.read_text())["available_node_types"]
+        advertised = {k for t in types.values() for k in t.get("resources", {})}
+        assert {"pdserve_prefill", "pdserve_decode"} <= advertised
+
+
+def test_prometheus_scrapes_the_pdserve_frontend():
+    config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["pdserve"]["metrics_path"] == "/metrics"
+    assert jobs["pdserve"]["static_configs"][0]["targets"]
+
+
+@pytest.mark.skipif(not shutil.which("promtool"), reason="promtool (Prometheus) not installed")
+def test_prometheus_config_passes_promtool():
+    done = subprocess.run(["promtool", "check", "config", str(MONITORING / "prometheus.yml")],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_compose_mounts_files_that_exist():
+    compose = yaml.safe_load((MONITORING / "docker-compose.yml").read_text())
+    for service in compose["services"].values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (MONITORING / source).exists(), volume
+
+
+def exported_metric_names() -> set[str]:
+    """Series names pdserve's /metrics can expose (histograms as their _bucket/_sum/_count)."""
+    names = set()
+    for family in ServingMetrics().registry.collect():
+        if family.type == "histogram":
+            names |= {f"{family.name}_bucket", f"{family.name}_sum", f"{family.name}_count"}
+        elif family.type == "counter":
+            names.add(f"{family.name}_total")
+        else:
+            names.add(family.name)
+    return names
+
+
+def dashboard_panels() -> list[dict]:
+    return json.loads(DASHBOARD.read_text())["panels"]
+
+
+def dashboard_metric_names() -> set[str]:
+    exprs = [t["expr"] for p in dashboard_panels() for t in p.get("targets", [])]
+    return {m for e in exprs for m in re.findall(r"\b((?:pdserve|autoscaler)_[a-z0-9_]+)\b", e)}
+
+
+def base_name(series: str) -> str:
+    return re.sub(r"_(bucket|sum|count)$", "", series)
+
+
+def test_dashboard_queries_only_metrics_that_exist_or_are_planned():
+    exported = exported_metric_names()
+    unknown = dashboard_metric_names() - exported - PLANNED_METRICS - RAY_METRICS
+    assert not unknown, f"the dashboard queries metrics pdserve does not export: {unknown}"
+
+
+def test_every_metric_pdserve_exports_has_a_panel():
+    shown = {base_name(m) for m in dashboard_metric_names()}
+    missing = {m for m in exported_metric_names() if base_name(m) not in shown}
+    assert not missing, f"metrics without a panel on {DASHBOARD.name}: {missing}"
+
+
+def test_dashboard_covers_the_issue_panels_and_is_importable():
+    titles = " | ".join(p["title"] for p in dashboard_panels())
+    for needed in ("Time to first token", "Time per output token", "Pool replicas",
+                   "Scaling decisions", "KV transfer rate", "KV transfer failures"):
+        assert needed in titles
+    panels = dashboard_panels()
+    assert len({p["id"] for p in panels}) == len(panels)
+    for panel in panels:
+        if panel["type"] != "row":
+            # Bound to the dashboard's data source variable: works imported or provisioned.
+            assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+            assert panel["targets"], panel["title"]
