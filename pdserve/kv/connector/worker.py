@@ -32,7 +32,7 @@ import torch
 
 from pdserve.kv.connector.config import ConnectorConfig
 from pdserve.kv.connector.layout import build_layout, build_regions
-from pdserve.kv.connector.metadata import KVPin, KVPull, StepPlan, WorkerEndpoint
+from pdserve.kv.connector.metadata import KVPin, KVPull, RemotePrefill, StepPlan, WorkerEndpoint
 from pdserve.kv.transport.base import (
     BlockRegion,
     BlockSink,
@@ -205,6 +205,8 @@ class WorkerSide:
         )
 
     def _sink(self, transport: str) -> BlockSink:
+        # Every source serves gRPC, so a transport this worker does not know falls back to it.
+        transport = transport if transport in ("grpc", "nccl") else "grpc"
         if transport not in self._sinks:
             assert self.layout is not None
             self._sinks[transport] = self.transports.make_sink(
@@ -254,9 +256,17 @@ class WorkerSide:
         for pull in plan.pulls:
             self._start_pull(pull)
         for release in plan.releases:
-            remote = release.remote
+            self._release_remote(release.remote)
+
+    def _release_remote(self, remote: RemotePrefill) -> None:
+        """Fire and forget; a failure only delays the free until the source's lease ends."""
+        try:
             self._sink(remote.transport).release_remote(
                 remote.address_for_rank(self.tp_rank), remote.remote_request_id
+            )
+        except Exception:
+            logger.warning(
+                "release of %s at %s failed", remote.remote_request_id, remote.remote_address, exc_info=True
             )
 
     def _drop(self, request_id: str) -> None:
@@ -366,13 +376,7 @@ class WorkerSide:
             self.config.failure_policy,
         )
         self._load_errors.update(pull.dst_block_ids)
-        remote = pull.remote
-        try:
-            self._sink(remote.transport).release_remote(
-                remote.address_for_rank(self.tp_rank), remote.remote_request_id
-            )
-        except Exception:
-            logger.debug("release after a failed pull of %s failed", request_id, exc_info=True)
+        self._release_remote(pull.remote)
 
     def take_load_errors(self) -> set[int]:
         """Destination blocks of pulls that failed since the last call; called by vLLM right
