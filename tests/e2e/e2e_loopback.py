@@ -38,6 +38,8 @@ HEAD_IP = "127.0.0.2"
 WORKER_IP = "127.0.0.3"
 SSH_USER = "pdserve-e2e"
 SSHD = "/usr/sbin/sshd"
+# The nodes' `python3` (PATH of an SSH login): Debian 12's is 3.11, as pdserve needs.
+NODE_PYTHON = "/usr/bin/python3"
 CLIENT_SSH_CONFIG = Path("/etc/ssh/ssh_config.d/pdserve-e2e.conf")
 # One loopback cluster per machine at a time: concurrent runs would share the user and addresses.
 MACHINE_LOCK = Path("/tmp/pdserve-e2e.lock")
@@ -59,6 +61,8 @@ def missing_prerequisites() -> str | None:
         return "needs root (installs sshd, adds a user)"
     if not shutil.which("apt-get") and not (Path(SSHD).exists() and shutil.which("rsync")):
         return "needs apt-get, or openssh-server and rsync installed"
+    if not Path(NODE_PYTHON).exists():
+        return f"needs {NODE_PYTHON} (>= 3.11) for the nodes' venv"
     return None
 
 
@@ -74,11 +78,17 @@ def run(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None,
 
 
 def install_system_packages() -> None:
-    """Debian's openssh-server (the sshd we start) and rsync (`ray up` copies files with it)."""
-    if Path(SSHD).exists() and shutil.which("rsync"):
+    """Debian's openssh-server (the sshd we start), rsync (`ray up` copies files with it) and
+    the venv module of the system Python (the nodes' setup commands build a venv with it)."""
+    wanted = [package for package, present in (
+        ("openssh-server", Path(SSHD).exists()),
+        ("rsync", shutil.which("rsync") is not None),
+        ("python3-venv", run([NODE_PYTHON, "-c", "import ensurepip"], 60, check=False).returncode == 0),
+    ) if not present]
+    if not wanted:
         return
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "openssh-server", "rsync"]
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *wanted]
     if run(install, 600, env, check=False).returncode != 0:  # stale package lists: refresh once
         run(["apt-get", "update", "-q"], 600, env)
         run(install, 600, env)
@@ -271,8 +281,8 @@ def loopback_cluster_config(onprem: dict, site: LoopbackSite, repo_root: Path,
     """deploy/onprem/cluster.yaml with this site's values and the loopback-only differences.
 
     Kept from the shipped file: the file mount of the checkout, its rsync filter and the setup
-    commands (venv, uv, editable install, PATH), less the GPU extra and model preparation (the
-    mock engine needs neither vLLM nor a model). Replaced: addresses, SSH user and key, and the
+    commands (venv, uv, editable install, PATH), less the GPU extra and the embedded model's
+    preparation (the mock engine needs neither vLLM nor a model). Replaced: addresses, SSH user and key, and the
     start commands: a free GCS port, explicit node IPs, a small footprint, one engine slot on the
     worker, and no `ray stop` on the worker (head and worker share this machine's processes).
     """
