@@ -42,12 +42,14 @@ class _LatestSchedulerStats:
     kv_seconds: list[float] = field(default_factory=list)  # drained by each stats() call
 
     def add_transfers(self, data: dict[str, Any]) -> None:
-        """Fold in one interval of pdserve's connector stats (`pdserve.kv.connector.stats`)."""
-        self.kv_transport = str(data.get("transport") or self.kv_transport)
-        self.kv_bytes_total += int(data.get("bytes", 0))
-        self.kv_failures_total += int(data.get("failures", 0))
+        """Fold in one interval of pdserve's connector stats (`pdserve.kv.connector.stats`):
+        per-pull lists of bytes, seconds and a failed flag."""
+        failed = [int(f) for f in data.get("pull_failed", ())]
+        self.kv_bytes_total += sum(int(b) for b in data.get("pull_bytes", ()))
+        self.kv_failures_total += sum(failed)
+        done = [float(x) for x, f in zip(data.get("pull_seconds", ()), failed, strict=False) if not f]
         # Bounded: a stats poll drains it every second; keep at most the latest 4096 pulls.
-        self.kv_seconds = (self.kv_seconds + [float(x) for x in data.get("seconds", ())])[-4096:]
+        self.kv_seconds = (self.kv_seconds + done)[-4096:]
 
 
 def _stat_logger_factory(sink: _LatestSchedulerStats):
@@ -77,6 +79,8 @@ class VllmEngine:
         self._spec = spec
         self._llm: Any = None
         self._scheduler = _LatestSchedulerStats()
+        if spec.pool in ("prefill", "decode"):
+            self._scheduler.kv_transport = spec.config.kv.transport
         self._aborted_total = 0
         self._finished_total = 0
 
