@@ -194,7 +194,10 @@ class RayConfig(_Section):
 class PdserveConfig(_Section):
     """The whole deployment."""
 
-    mode: ServingMode = Field(ServingMode.COLOCATED, description="colocated or disaggregated.")
+    mode: ServingMode = Field(
+        ServingMode.DISAGGREGATED, description="'disaggregated' (prefill and decode pools, KV "
+        "shipped between them) or 'colocated' (one pool does both; the baseline).",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     pools: PoolsConfig = Field(default_factory=PoolsConfig)

