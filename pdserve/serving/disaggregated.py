@@ -68,6 +68,11 @@ async def generate_disaggregated(
         return
     async with aclosing(decode(decode_request(request, first))) as deltas:
         async for delta in deltas:
+            if delta.finish_reason == "error":
+                # The connector's `fail` policy: the KV pull failed and nothing was recomputed.
+                raise EngineRequestError(
+                    f"KV transfer for {request.request_id} from its prefill engine failed "
+                    "(kv.failure_policy is 'fail')")
             yield dataclasses.replace(
                 delta, request_id=request.request_id,
                 num_prompt_tokens=len(request.prompt_token_ids),

@@ -74,3 +74,16 @@ async def test_dead_prefill_is_recomputed_on_the_decode_engine(engines):
 async def test_dead_prefill_fails_the_request_under_the_fail_policy(engines):
     with pytest.raises(EngineRequestError, match="died"):
         await run(engines, request(4), "fail", prefill=failing_prefill)
+
+
+async def test_failed_pull_under_the_fail_policy_is_a_clear_error(engines):
+    from pdserve.engine.types import GenerateDelta
+
+    async def failing_decode(leg):
+        yield GenerateDelta(leg.request_id, "", (), len(leg.prompt_token_ids), 0, "error")
+
+    stream = generate_disaggregated(request(4), engines["prefill"].generate, failing_decode, "fail")
+    first = await anext(stream)
+    assert first.num_output_tokens == 1
+    with pytest.raises(EngineRequestError, match="KV transfer .* failed"):
+        await anext(stream)
