@@ -5,8 +5,8 @@ the nodes install vLLM and prepare the embedded model with the setup commands of
 deploy/onprem/cluster.yaml (the CPU build instead of the GPU extra), and the worker's engine
 loads SmolLM2-135M and answers greedily.
 
-Slow (about 8-10 minutes on 2 cores: ~2 GB of wheels per `ray up`, model conversion, engine
-start) and memory hungry (~4 GB): run it deliberately with `scripts/test.sh -m slow tests/e2e`.
+Slow (4-7 minutes on 2 cores: a 3.5 GB venv, model conversion, engine start, removing
+it all) and memory hungry (~4 GB): run it deliberately with `scripts/test.sh -m slow tests/e2e`.
 """
 
 from __future__ import annotations
