@@ -40,28 +40,11 @@ PDSERVE_ARMS = {
 def start_vllm(model_dir: Path, log_path: Path) -> RunningServer:
     """Plain vLLM's own OpenAI server with the engine settings pdserve uses on CPU."""
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
-    log = log_path.open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-         "--served-model-name", MODEL, "--port", str(port), "--dtype", "float32",
-         "--enforce-eager", "--kv-cache-memory-bytes", str(1024**3), "--seed", "0"],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = RunningServer(process, port, log_path)
-    import httpx
-
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"vllm serve exited:\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    server.stop()
-    raise RuntimeError("vllm serve did not start")
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--served-model-name", MODEL, "--port", str(port), "--dtype", "float32",
+               "--enforce-eager", "--kv-cache-memory-bytes", str(1024**3), "--seed", "0"]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}"}
+    return start_process(command, port, log_path, 600, env)
 
 
 def run_bench(server: RunningServer, arm: str, rate: float, args: argparse.Namespace,

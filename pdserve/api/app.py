@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -60,25 +60,23 @@ def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
     app.state.metrics = metrics
     _install_error_handlers(app, metrics)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def admitted(prepare: Callable[[], Awaitable[PreparedRequest]],
+                       request: Request) -> Response:
         release = admission.admit()
         try:
-            prepared = await serving.prepare_completion(body)
+            prepared = await prepare()
         except BaseException:
             release()
             raise
         return await _respond(serving, prepared, request, release)
 
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await admitted(lambda: serving.prepare_completion(body), request)
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        release = admission.admit()
-        try:
-            prepared = await serving.prepare_chat(body)
-        except BaseException:
-            release()
-            raise
-        return await _respond(serving, prepared, request, release)
+        return await admitted(lambda: serving.prepare_chat(body), request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

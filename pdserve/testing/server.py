@@ -45,17 +45,25 @@ class RunningServer:
 
 
 def start_server(args: list[str], log_path: Path, start_timeout_s: float = 600) -> RunningServer:
+    """Start `pdserve serve ARGS` on a free port and wait until /health answers 200."""
     port = free_port()
+    command = [sys.executable, "-m", "pdserve", "serve", "--port", str(port), *args]
+    return start_process(command, port, log_path, start_timeout_s)
+
+
+def start_process(command: list[str], port: int, log_path: Path, start_timeout_s: float,
+                  env: dict[str, str] | None = None) -> RunningServer:
+    """Start any OpenAI-compatible server process (pdserve, plain vLLM) and wait for /health."""
     log = log_path.open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "serve", "--port", str(port), *args],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        command, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
     )
     server = RunningServer(process, port, log_path)
     deadline = time.monotonic() + start_timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"pdserve exited with {process.returncode}:\n{server.log_tail()}")
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log_tail()}")
         try:
             if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
                 return server
@@ -63,7 +71,7 @@ def start_server(args: list[str], log_path: Path, start_timeout_s: float = 600) 
             pass
         time.sleep(1)
     server.stop()
-    raise RuntimeError(f"pdserve did not become healthy in {start_timeout_s} s:\n{server.log_tail()}")
+    raise RuntimeError(f"server did not become healthy in {start_timeout_s} s:\n{server.log_tail()}")
 
 
 def metric_value(metrics_text: str, name: str, **labels: str) -> float | None:
