@@ -23,7 +23,7 @@ def load_config(
     path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
 ) -> PdserveConfig:
     """Build the validated config from an optional YAML file and dotted-path overrides."""
-    tree: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
+    tree: dict[str, Any] = _read_yaml(Path(path).expanduser()) if path is not None else {}
     for dotted, value in (overrides or {}).items():
         _set_dotted(tree, dotted, value)
     try:

@@ -88,7 +88,8 @@ class VllmEngine:
         on_cpu = _on_cpu(self._spec)
         if on_cpu:
             _set_cpu_environment(self._spec)
-        args = _engine_args(self._spec, on_cpu)
+        model_path = await asyncio.to_thread(_local_model_path, self._spec)
+        args = _engine_args(self._spec, model_path, on_cpu)
         self._llm = await asyncio.to_thread(self._build, args)
         vllm_config = self._llm.vllm_config
         return EngineInfo(
@@ -172,7 +173,17 @@ def _set_cpu_environment(spec: EngineSpec) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
 
 
-def _engine_args(spec: EngineSpec, on_cpu: bool) -> Any:
+def _local_model_path(spec: EngineSpec) -> str:
+    """The model on this engine's node: the frontend resolved it on its own node, which may be
+    another machine; the embedded model is converted here too (idempotent) if missing."""
+    from pdserve.models import resolve_model
+
+    if spec.config.model.source == "embedded":
+        return resolve_model("embedded", spec.config.model.cache_dir).path
+    return spec.model_path
+
+
+def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     model, engine = spec.config.model, spec.config.engine
@@ -181,7 +192,7 @@ def _engine_args(spec: EngineSpec, on_cpu: bool) -> Any:
         dtype = "float32"  # bf16 prefill was 5x slower than fp32 on the CPU backend
     kv_bytes = engine.kv_cache_memory_bytes or (_DEFAULT_CPU_KV_BYTES if on_cpu else None)
     kwargs: dict[str, Any] = dict(
-        model=spec.model_path, served_model_name=spec.served_name, dtype=dtype,
+        model=model_path, served_model_name=spec.served_name, dtype=dtype,
         max_model_len=model.max_model_len, load_format=model.load_format,
         trust_remote_code=model.trust_remote_code,
         enforce_eager=engine.enforce_eager if engine.enforce_eager is not None else on_cpu,
