@@ -153,7 +153,8 @@ def test_abort_mid_stream_returns_kv_usage_on_both_sides(server, client, prompts
     )
     for _, _chunk in zip(range(4), stream):
         pass
-    busy = httpx.get(f"{server.base_url}/metrics").text
+    # The stream is still generating (1000 tokens): its KV shows at the next stats poll.
+    busy = wait_for_metrics(server.base_url, lambda t: any(u and u > 0 for u in usages(t)))
     assert any(u and u > 0 for u in usages(busy)), usages(busy)
     stream.close()
     after = wait_for_metrics(server.base_url, lambda t: all(u == 0 for u in usages(t)), timeout_s=60)
