@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.models import ensure_embedded_model
-from pdserve.testing.server import RunningServer, free_port, start_server
+from pdserve.testing.server import RunningServer, free_port, start_process, start_server  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 PDSERVE_ARMS = {
@@ -93,11 +93,18 @@ def main() -> None:
     parser.add_argument("--ttft-ms", type=float, default=2000)
     parser.add_argument("--tpot-ms", type=float, default=250)
     parser.add_argument("--transport", default="grpc", choices=["grpc", "nccl"])
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse an arm's saved JSON results in --out instead of rerunning it")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_embedded_model()
     results: dict[str, dict[float, dict]] = {}
     for arm in args.arms:
+        saved = [args.out / f"{arm}-rate{rate:g}.json" for rate in args.request_rates]
+        if args.resume and all(p.exists() for p in saved):
+            results[arm] = {rate: json.loads(p.read_text())
+                            for rate, p in zip(args.request_rates, saved, strict=True)}
+            continue
         log = args.out / f"{arm}.log"
         started = time.perf_counter()
         if arm == "vllm":
