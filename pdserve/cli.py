@@ -32,6 +32,17 @@ _SERVE_FLAGS: dict[str, str] = {
     "kv_cache_memory_bytes": "engine.kv_cache_memory_bytes",
     "ray_address": "ray.address",
     "log_level": "api.log_level",
+    "autoscale": "autoscale.enabled",
+    "ttft_ms": "slo.ttft_ms",
+    "tpot_ms": "slo.tpot_ms",
+    "slo_percentile": "slo.percentile",
+    "min_replicas": "autoscale.colocated.min_replicas",
+    "max_replicas": "autoscale.colocated.max_replicas",
+    "min_prefill": "autoscale.prefill.min_replicas",
+    "max_prefill": "autoscale.prefill.max_replicas",
+    "min_decode": "autoscale.decode.min_replicas",
+    "max_decode": "autoscale.decode.max_replicas",
+    "profile": "scheduler.profile",
 }
 
 
@@ -85,6 +96,18 @@ def _add_serve(sub: Any) -> None:
                    help="KV transfer transport (nccl runs over gloo on CPU-only hosts)")
     p.add_argument("--max-num-seqs", type=int, help="most concurrent requests per engine")
     p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size per engine")
+    p.add_argument("--ttft-ms", type=float, help="TTFT target in ms (routing, admission, scaling)")
+    p.add_argument("--tpot-ms", type=float, help="TPOT target in ms (routing, admission, scaling)")
+    p.add_argument("--slo-percentile", type=float, help="percentile the targets hold for (90)")
+    p.add_argument("--autoscale", action="store_true", default=None,
+                   help="scale each pool within its bounds against the targets")
+    p.add_argument("--min-replicas", type=int, help="autoscale: fewest colocated engines")
+    p.add_argument("--max-replicas", type=int, help="autoscale: most colocated engines")
+    p.add_argument("--min-prefill", type=int, help="autoscale: fewest prefill engines")
+    p.add_argument("--max-prefill", type=int, help="autoscale: most prefill engines")
+    p.add_argument("--min-decode", type=int, help="autoscale: fewest decode engines")
+    p.add_argument("--max-decode", type=int, help="autoscale: most decode engines")
+    p.add_argument("--profile", help="calibration JSON that seeds the performance model")
     p.add_argument("--ray-address", help="join this Ray cluster ('auto' for the local one)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

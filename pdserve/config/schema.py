@@ -165,6 +165,82 @@ class KVTransferConfig(_Section):
     )
 
 
+class SloConfig(_Section):
+    """Latency targets of the deployment; they drive routing, admission and autoscaling."""
+
+    ttft_ms: float | None = Field(
+        None, gt=0, description="Time-to-first-token target in ms (None: no TTFT target).")
+    tpot_ms: float | None = Field(
+        None, gt=0, description="Time-per-output-token target in ms (None: no TPOT target).")
+    percentile: float = Field(
+        90.0, gt=0, le=100, description="Percentile of requests the targets hold for.")
+
+    @property
+    def defined(self) -> bool:
+        return self.ttft_ms is not None and self.tpot_ms is not None
+
+
+class SchedulerConfig(_Section):
+    """The global scheduler: performance model, routing and admission."""
+
+    profile: Path | None = Field(
+        None, description="Calibration JSON (e.g. ../shared/calibration/h200-vllm0.24-llama8b.json "
+        "or one `pdserve sim profile` records) that seeds the performance model; default: the mock "
+        "engine's settings, or a conservative guess for vLLM that live timings correct.",
+    )
+    window_s: float = Field(
+        30.0, gt=0, description="Window of the rolling TTFT/TPOT percentiles and load rates.")
+    local_prefill_max_tokens: int | None = Field(
+        None, ge=0, description="Conditional disaggregation: prefill a prompt on its decode engine "
+        "when at most this many of its tokens are uncached there; None: what the decode engine "
+        "prefills within one TPOT target of stall (needs an SLO); 0: never.",
+    )
+    admit_ttft_factor: float = Field(
+        4.0, gt=0, description="With an SLO, refuse (429) a request whose best predicted TTFT is "
+        "beyond this multiple of the TTFT target.",
+    )
+    prefix_aware: bool = Field(
+        True, description="Track which prompt prefixes each engine caches and route toward hits.")
+
+
+class AutoscaleBounds(_Section):
+    min_replicas: int = Field(1, ge=0, description="Fewest engines in the pool.")
+    max_replicas: int = Field(4, ge=1, description="Most engines in the pool.")
+
+
+class AutoscaleConfig(_Section):
+    """Independent scaling of each pool against the SLO (needs slo.ttft_ms and slo.tpot_ms)."""
+
+    enabled: bool = Field(False, description="Scale pools automatically.")
+    interval_s: float = Field(5.0, gt=0, description="Time between scaling evaluations.")
+    colocated: AutoscaleBounds = Field(default_factory=AutoscaleBounds)
+    prefill: AutoscaleBounds = Field(default_factory=AutoscaleBounds)
+    decode: AutoscaleBounds = Field(default_factory=AutoscaleBounds)
+    upscale_intervals: int = Field(
+        2, ge=1, description="Evaluations a pressure must persist before a scale-up.")
+    downscale_intervals: int = Field(
+        6, ge=1, description="Evaluations of low load before a scale-down.")
+    upscale_cooldown_s: float = Field(15.0, ge=0, description="Wait after a change before adding.")
+    downscale_cooldown_s: float = Field(60.0, ge=0, description="Wait after a change before removing.")
+    target_utilization: float = Field(
+        0.8, gt=0, le=1, description="Load per engine a scale-up brings the pool back to.")
+    downscale_utilization: float = Field(
+        0.5, gt=0, le=1, description="Remove an engine only if load stays under this without it.")
+    kv_high: float = Field(0.85, gt=0, le=1, description="Decode KV usage that counts as pressure.")
+    max_step: int = Field(4, ge=1, description="Most engines one scale-up adds.")
+    drain_timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for a draining engine's requests (and pinned KV) "
+        "before it is stopped anyway.",
+    )
+    request_resources: bool = Field(
+        True, description="Ask the Ray autoscaler for nodes (request_resources) for the engines "
+        "the pools want, so `ray up` node types come up for them.",
+    )
+
+    def bounds(self, role: PoolRole) -> AutoscaleBounds:
+        return getattr(self, role.value)
+
+
 class ApiConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the HTTP frontend listens on.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 picks a free one).")
@@ -202,6 +278,9 @@ class PdserveConfig(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     pools: PoolsConfig = Field(default_factory=PoolsConfig)
     kv: KVTransferConfig = Field(default_factory=KVTransferConfig)
+    slo: SloConfig = Field(default_factory=SloConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
@@ -217,6 +296,26 @@ class PdserveConfig(_Section):
                 raise ValueError(
                     f"pools.{role.value}.replicas must be >= 1 in {self.mode.value} mode"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _check_autoscale(self) -> PdserveConfig:
+        if not self.autoscale.enabled:
+            return self
+        if not self.slo.defined:
+            raise ValueError("autoscale.enabled needs slo.ttft_ms and slo.tpot_ms "
+                             "(--ttft-ms, --tpot-ms)")
+        for role in self.active_roles():
+            b = self.autoscale.bounds(role)
+            if b.min_replicas > b.max_replicas:
+                raise ValueError(f"autoscale.{role.value}: min_replicas {b.min_replicas} > "
+                                 f"max_replicas {b.max_replicas}")
+            if b.max_replicas < 1:
+                raise ValueError(f"autoscale.{role.value}.max_replicas must be >= 1")
+            n = self.pools.for_role(role).replicas
+            if not b.min_replicas <= n <= b.max_replicas:
+                raise ValueError(f"pools.{role.value}.replicas ({n}) must lie within "
+                                 f"autoscale.{role.value} bounds {b.min_replicas}..{b.max_replicas}")
         return self
 
     @model_validator(mode="after")

@@ -1,0 +1,1 @@
+"""Independent scaling of the prefill and decode pools (pure policy + controller)."""

@@ -1,0 +1,244 @@
+"""The global scheduler's state: what it knows about every engine, fed by the request path.
+
+`GlobalScheduler` is the stateful shell around the pure policies (`routing.place`,
+`routing.place_colocated`, `autoscaler.policy.decide`). It keeps, per engine, what the frontend
+has sent and not yet seen come back (queued prefill tokens, decoding requests, KV pins still to
+be pulled), the engines' reported KV usage, a prefix-cache index, one online-fitted performance
+model per pool and the rolling SLO tracker. Time comes in as arguments (`now`), never from a
+clock, so the Ray backend (wall time) and the simulator (virtual time) drive the same object.
+
+Request accounting, per leg:
+    ticket = sched.prefill_started(replica, tokens, now)   # a leg that prefills (any pool)
+    sched.first_token(ticket, now)                          # its first token came back
+    sched.decode_started(replica) ... sched.token_gap(replica, seconds, n) ... sched.decode_finished(replica)
+    sched.pin(prefill_replica) ... sched.unpin(prefill_replica)  # KV waiting to be pulled
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdserve.autoscaler.policy import PoolSignals
+from pdserve.scheduler.perf_model import OnlineFit, PerfModel
+from pdserve.scheduler.prefix import PrefixIndex, block_hashes
+from pdserve.scheduler.routing import (
+    EngineLoad, Placement, Rejection, RouteRequest, RoutingPolicy, SloTargets, place,
+    place_colocated,
+)
+from pdserve.scheduler.slo import SloTracker
+
+PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
+
+
+@dataclass(slots=True)
+class EngineState:
+    replica_id: str
+    pool: str
+    block_size: int
+    num_kv_blocks: int
+    queued_prefill_tokens: int = 0
+    num_prefilling: int = 0
+    num_decoding: int = 0
+    pins: int = 0  # prefilled requests whose KV a decode engine has not pulled yet
+    kv_usage: float = 0.0
+    healthy: bool = True
+    ready: bool = True  # False while starting
+    draining: bool = False
+
+    @property
+    def accepting(self) -> bool:
+        return self.healthy and self.ready and not self.draining
+
+    @property
+    def idle(self) -> bool:
+        return self.num_prefilling == 0 and self.num_decoding == 0 and self.pins == 0
+
+    def load(self) -> EngineLoad:
+        # Blocks the frontend has committed but the engine's last report may not show yet are
+        # not tracked: the engine's usage lags by one stats interval at most.
+        free = math.floor(self.num_kv_blocks * (1.0 - self.kv_usage))
+        return EngineLoad(self.replica_id, self.queued_prefill_tokens, self.num_decoding, free,
+                          self.block_size, self.healthy, self.accepting)
+
+
+@dataclass(slots=True)
+class PrefillTicket:
+    replica_id: str
+    pool: str
+    tokens: int  # uncached prompt tokens this leg prefills
+    work_ahead: int  # queued prefill tokens ahead of it at dispatch, plus its own
+    started: float
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Pool:
+    name: str
+    fit: OnlineFit
+    engines: dict[str, EngineState] = field(default_factory=dict)
+
+
+class GlobalScheduler:
+    def __init__(self, pools: Sequence[str], seed: PerfModel, slo: SloTargets | None = None,
+                 policy: RoutingPolicy = RoutingPolicy(), window_s: float = 30.0,
+                 prefix_aware: bool = True, prefix_block_size: int = 16) -> None:
+        self._pools = {name: _Pool(name, OnlineFit(seed)) for name in pools}
+        self.slo = slo
+        self.policy = policy
+        self.tracker = SloTracker(window_s)
+        self._prefix = PrefixIndex(prefix_block_size, 1 << 16) if prefix_aware else None
+        self._disaggregated = PREFILL in self._pools
+
+    # --- engines --------------------------------------------------------------------------
+
+    def add_engine(self, pool: str, replica_id: str, block_size: int, num_kv_blocks: int,
+                   ready: bool = True) -> None:
+        self._pools[pool].engines[replica_id] = EngineState(
+            replica_id, pool, block_size, max(num_kv_blocks, 1), ready=ready)
+
+    def engine(self, pool: str, replica_id: str) -> EngineState:
+        return self._pools[pool].engines[replica_id]
+
+    def engines(self, pool: str) -> list[EngineState]:
+        return list(self._pools[pool].engines.values())
+
+    def remove_engine(self, pool: str, replica_id: str) -> None:
+        self._pools[pool].engines.pop(replica_id, None)
+        if self._prefix is not None:
+            self._prefix.forget(replica_id)
+
+    def update_engine(self, pool: str, replica_id: str, *, kv_usage: float | None = None,
+                      healthy: bool | None = None) -> None:
+        state = self._pools[pool].engines.get(replica_id)
+        if state is None:
+            return
+        if kv_usage is not None:
+            state.kv_usage = kv_usage
+        if healthy is not None:
+            state.healthy = healthy
+
+    def model(self, pool: str) -> PerfModel:
+        return self._pools[pool].fit.model()
+
+    # --- routing --------------------------------------------------------------------------
+
+    def route(self, prompt_token_ids: Sequence[int], max_tokens: int) -> Placement | Rejection:
+        hashes = self._hashes(prompt_token_ids)
+        cached = {}
+        if hashes:
+            for pool in self._pools.values():
+                for rid in pool.engines:
+                    hit = self._prefix.cached_tokens(rid, hashes)
+                    if hit:
+                        cached[rid] = hit
+        request = RouteRequest(len(prompt_token_ids), max_tokens, cached)
+        if self._disaggregated:
+            return place(request, self._loads(PREFILL), self._loads(DECODE), self.model(PREFILL),
+                         self.model(DECODE), self.slo, self.policy)
+        return place_colocated(request, self._loads(COLOCATED), self.model(COLOCATED), self.slo,
+                               self.policy)
+
+    def remember_prefix(self, replica_id: str, prompt_token_ids: Sequence[int]) -> None:
+        """The engine now holds this prompt's blocks in its prefix cache."""
+        hashes = self._hashes(prompt_token_ids)
+        if hashes:
+            self._prefix.insert(replica_id, hashes)
+
+    def cached_tokens(self, replica_id: str, prompt_token_ids: Sequence[int]) -> int:
+        hashes = self._hashes(prompt_token_ids)
+        return self._prefix.cached_tokens(replica_id, hashes) if hashes else 0
+
+    def _hashes(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
+        if self._prefix is None:
+            return []
+        return block_hashes(prompt_token_ids, self._prefix.block_size)
+
+    def _loads(self, pool: str) -> list[EngineLoad]:
+        return [e.load() for e in self._pools[pool].engines.values()]
+
+    # --- request accounting ---------------------------------------------------------------
+
+    def prefill_started(self, pool: str, replica_id: str, tokens: int, now: float) -> PrefillTicket:
+        state = self._pools[pool].engines[replica_id]
+        ticket = PrefillTicket(replica_id, pool, tokens, state.queued_prefill_tokens + tokens, now)
+        state.queued_prefill_tokens += tokens
+        state.num_prefilling += 1
+        self.tracker.record_arrival(pool, now, tokens)
+        return ticket
+
+    def first_token(self, ticket: PrefillTicket, now: float, observe: bool = True) -> None:
+        """The leg's prefill is over (first token out, or it ended); idempotent."""
+        if ticket.done:
+            return
+        ticket.done = True
+        pool = self._pools[ticket.pool]
+        state = pool.engines.get(ticket.replica_id)
+        if state is not None:
+            state.queued_prefill_tokens = max(0, state.queued_prefill_tokens - ticket.tokens)
+            state.num_prefilling = max(0, state.num_prefilling - 1)
+        if observe:
+            pool.fit.observe_prefill(ticket.work_ahead, now - ticket.started)
+
+    def decode_started(self, pool: str, replica_id: str) -> None:
+        state = self._pools[pool].engines.get(replica_id)
+        if state is not None:
+            state.num_decoding += 1
+
+    def decode_finished(self, pool: str, replica_id: str) -> None:
+        state = self._pools[pool].engines.get(replica_id)
+        if state is not None:
+            state.num_decoding = max(0, state.num_decoding - 1)
+
+    def token_gap(self, pool: str, replica_id: str, seconds: float, tokens: int) -> None:
+        """`tokens` new tokens arrived `seconds` after the previous ones on this engine."""
+        state = self._pools[pool].engines.get(replica_id)
+        if state is not None and tokens > 0 and state.num_decoding > 0:
+            self._pools[pool].fit.observe_decode(state.num_decoding, seconds / tokens)
+
+    def transfer_observed(self, tokens: int, seconds: float) -> None:
+        if DECODE in self._pools:
+            self._pools[DECODE].fit.observe_transfer(tokens, seconds)
+
+    def pin(self, pool: str, replica_id: str) -> None:
+        state = self._pools[pool].engines.get(replica_id)
+        if state is not None:
+            state.pins += 1
+
+    def unpin(self, pool: str, replica_id: str) -> None:
+        state = self._pools[pool].engines.get(replica_id)
+        if state is not None:
+            state.pins = max(0, state.pins - 1)
+
+    def request_finished(self, ttft_pool: str, tpot_pool: str, now: float,
+                         ttft_s: float | None, tpot_s: float | None) -> None:
+        if ttft_s is not None:
+            self.tracker.record_ttft(ttft_pool, now, ttft_s)
+        if tpot_s is not None:
+            self.tracker.record_tpot(tpot_pool, now, tpot_s)
+
+    # --- scaling signals ------------------------------------------------------------------
+
+    def signals(self, pool: str, now: float) -> PoolSignals:
+        """What the autoscaling policy sees of one pool (draining engines excluded)."""
+        engines = [e for e in self._pools[pool].engines.values() if not e.draining and e.healthy]
+        n = len(engines)
+        starting = sum(not e.ready for e in engines)
+        slo = self.slo
+        pct = slo.percentile if slo else 90.0
+        summary = self.tracker.summary(pool, now, pct, slo.ttft_s if slo else None,
+                                       slo.tpot_s if slo else None)
+        model = self.model(pool)
+        prefill_util = decode_util = kv = 0.0
+        if n:
+            prefill_util = summary.prompt_tokens_per_s / (n * model.prefill_tokens_per_s)
+            kv = sum(e.kv_usage for e in engines) / n
+            if slo is not None:
+                max_batch = model.max_batch_for_tpot(slo.tpot_s)
+                decoding = sum(e.num_decoding for e in engines) / n
+                decode_util = decoding / max_batch if max_batch else (10.0 if decoding else 0.0)
+        return PoolSignals(
+            pool=pool, replicas=n, starting=starting, samples=summary.count,
+            ttft_s=summary.ttft_p_s, tpot_s=summary.tpot_p_s,
+            prefill_utilization=prefill_util, decode_utilization=decode_util, kv_usage=kv)
