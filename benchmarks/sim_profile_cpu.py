@@ -1,0 +1,59 @@
+"""Start the CPU service, record its engine profile with `pdserve.sim.profile`, stop it.
+
+    .venv/bin/python benchmarks/sim_profile_cpu.py --arm colocated --out benchmarks/results/sim/cpu-profile
+    .venv/bin/python benchmarks/sim_profile_cpu.py --arm disaggregated --out benchmarks/results/sim/cpu-profile
+
+The arms start exactly like benchmarks/cpu_compare.py starts them (same flags), so the profile
+describes the engines that the recorded comparison measured. The start time (launch to /health)
+is measured here and stored as the profile's startup_s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.models import ensure_embedded_model  # noqa: E402
+from pdserve.sim import profile  # noqa: E402
+from pdserve.testing.server import start_server  # noqa: E402
+
+ARMS = {
+    "colocated": ["--mode", "colocated", "--replicas", "1"],
+    "disaggregated": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1",
+                      "--set", "pools.prefill.num_cpus=0.5", "--set", "pools.decode.num_cpus=0.5"],
+}
+# 1 GiB of KV per engine (pdserve's CPU default, as in the comparison) / 5.9 MB per 128-token block.
+NUM_KV_BLOCKS = 182
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arm", choices=sorted(ARMS), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = ensure_embedded_model()
+    started = time.monotonic()
+    server = start_server(ARMS[args.arm], args.out / f"{args.arm}-serve.log")
+    startup = time.monotonic() - started
+    try:
+        log = (args.out / f"{args.arm}-serve.log").read_text(errors="replace")
+        blocks = re.findall(r"num_gpu_blocks[^0-9]*(\d+)|GPU KV cache size: ([\d,]+) tokens", log)
+        print(f"service up in {startup:.1f} s; KV lines in log: {blocks[:2]}", flush=True)
+        argv = ["--base-url", server.base_url, "--model-dir", str(model_dir),
+                "--num-kv-blocks", str(NUM_KV_BLOCKS), "--block-size", "128",
+                "--startup-s", f"{startup:.1f}", "--note",
+                f"pdserve serve {' '.join(ARMS[args.arm])} on the 2-core CPU box",
+                "--out", str(args.out / f"{args.arm}.json")]
+        return profile.main(argv)
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

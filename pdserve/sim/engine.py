@@ -1,0 +1,251 @@
+"""One simulated engine: vLLM-style continuous batching on a virtual clock.
+
+Lifecycle of a request on an engine (`SimEngine`):
+- `submit_prefill(req)`: queued FCFS; it is admitted once the engine has free KV blocks for it
+  (a full request reserves prompt + output blocks; a prefill-only leg, its prompt's blocks);
+- each step takes the running decode batch plus prefill chunks of the queue up to the token
+  budget (`max_num_batched_tokens - batch`) and `max_num_seqs`; the step's duration comes from
+  the `EngineProfile`; at its end every decode in the batch has one more token, and a prompt
+  whose last chunk ran has its first token (`on_first_token`);
+- a full request then joins the decode batch; a prefill-only leg keeps its blocks until the
+  decode engine has pulled them (`release`);
+- `submit_decode(req)`: a decode leg whose KV comes from a prefill engine: it waits for blocks,
+  pulls for `transfer_s`, then joins the batch; `on_finished` fires with its last token.
+
+Decode tokens are not events: a request that joins the batch after step k finishes at step
+k + output - 1, kept in a heap by that step number, so a step costs O(log n) for the requests
+that finish in it, not O(batch). Step end times are kept (`record_steps`) only when per-token
+ITLs are wanted.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+
+from pdserve.sim.engine_profile import EngineProfile
+from pdserve.sim.events import EventQueue
+
+
+class SimRequest:
+    """A request's simulated state and timeline (virtual seconds)."""
+
+    __slots__ = ("index", "arrival", "prompt", "output", "prefill_left", "blocks", "blocks_on",
+                 "leg", "ttft_pool", "decode_pool", "prefill_engine", "decode_engine", "ticket",
+                 "first_token", "decode_start", "join_step", "finish", "step_engine", "error",
+                 "ctx_join", "pblocks", "pblocks_on")
+
+    def __init__(self, index: int, arrival: float, prompt: int, output: int) -> None:
+        self.index = index
+        self.arrival = arrival
+        self.prompt = prompt
+        self.output = max(1, output)
+        self.prefill_left = prompt
+        self.blocks = 0
+        self.blocks_on = None  # the engine holding its (full or decode leg) blocks
+        self.pblocks = 0  # a prefill leg's prompt blocks, held until pulled
+        self.pblocks_on = None
+        self.leg = "full"  # "full" (prefill + decode here), "prefill", "decode"
+        self.ttft_pool = self.decode_pool = ""
+        self.prefill_engine = self.decode_engine = None
+        self.ticket = None  # the scheduler's PrefillTicket
+        self.first_token = -1.0  # engine time of the first token
+        self.decode_start = 0.0
+        self.join_step = 0
+        self.finish = -1.0
+        self.step_engine = None  # engine whose step log holds its decode tokens
+        self.error = ""
+        self.ctx_join = 0
+
+
+class SimEngine:
+    def __init__(self, replica_id: str, pool: str, profile: EngineProfile, queue: EventQueue,
+                 on_first_token: Callable[[SimRequest, SimEngine], None],
+                 on_finished: Callable[[SimRequest, SimEngine], None],
+                 on_kv_change: Callable[[SimEngine], None],
+                 on_step: Callable[[SimEngine, float], None],
+                 on_pulled: Callable[[SimRequest, SimEngine], None],
+                 record_steps: bool = False) -> None:
+        self.replica_id = replica_id
+        self.pool = pool
+        self.profile = profile
+        self._queue = queue
+        self._on_first_token = on_first_token
+        self._on_finished = on_finished
+        self._on_kv_change = on_kv_change
+        self._on_step = on_step
+        self._on_pulled = on_pulled
+        self.waiting: deque[SimRequest] = deque()  # prefill not done, FCFS
+        self._admitted = 0  # waiting[:_admitted] hold their blocks
+        self._pulls: deque[SimRequest] = deque()  # decode legs waiting for blocks
+        self._joining: list[SimRequest] = []  # decode legs pulled, join at the next step
+        self._finishing: list[tuple[int, int, SimRequest]] = []  # (finish step, index, req)
+        self.batch = 0
+        self._ctx_sum = 0  # sum over the batch of (prompt + 1 - join step): context = this + n*k
+        self.kv_used = 0
+        self.steps = 0
+        self.step_ends: list[float] | None = [] if record_steps else None
+        self.busy = False
+        self.busy_s = 0.0
+        self._step_prefill: list[tuple[SimRequest, int]] = []
+        self._step_started = 0.0
+        self.created = queue.now
+        self.draining = False
+        self.removed: float | None = None
+
+    # --- work in ----------------------------------------------------------------------------
+
+    def submit_prefill(self, req: SimRequest) -> None:
+        """A request (leg "full" or "prefill") whose prompt this engine prefills."""
+        if req.leg == "full":
+            req.blocks = self.profile.blocks(req.prompt + req.output)
+        else:
+            req.pblocks = self.profile.blocks(req.prompt)
+        self.waiting.append(req)
+        self._kick()
+
+    def submit_decode(self, req: SimRequest) -> None:
+        """A decode leg: pull the prompt's KV from its prefill engine, then decode."""
+        req.blocks = self.profile.blocks(req.prompt + req.output)
+        self._pulls.append(req)
+        self._admit_pulls()
+
+    def release(self, req: SimRequest) -> None:
+        """Free a finished request's blocks here."""
+        if req.blocks_on is self:
+            self.kv_used -= req.blocks
+            req.blocks_on = None
+            self._freed()
+
+    def release_prefill(self, req: SimRequest) -> None:
+        """Free a prefill leg's blocks (the decode engine has pulled them)."""
+        if req.pblocks_on is self:
+            self.kv_used -= req.pblocks
+            req.pblocks_on = None
+            self._freed()
+
+    def _freed(self) -> None:
+        self._on_kv_change(self)
+        self._admit_pulls()
+        self._kick()
+
+    @property
+    def idle(self) -> bool:
+        return (not self.busy and not self.waiting and not self._pulls and not self._joining
+                and self.batch == 0 and self.kv_used == 0)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used / self.profile.num_kv_blocks
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _try_alloc(self, req: SimRequest, prefill_leg: bool = False) -> bool:
+        need = req.pblocks if prefill_leg else req.blocks
+        if self.kv_used + need > self.profile.num_kv_blocks:
+            return False
+        self.kv_used += need
+        if prefill_leg:
+            req.pblocks_on = self
+        else:
+            req.blocks_on = self
+        self._on_kv_change(self)
+        return True
+
+    def _admit_pulls(self) -> None:
+        while self._pulls and self._try_alloc(self._pulls[0]):
+            req = self._pulls.popleft()
+            req.decode_start = self._queue.now
+            self._queue.after(self.profile.perf.transfer_s(req.prompt), self._pulled, req)
+
+    def _pulled(self, req: SimRequest) -> None:
+        if req.prefill_engine is not None:
+            req.prefill_engine.release_prefill(req)
+        self._on_pulled(req, self)
+        self._joining.append(req)
+        self._kick()
+
+    def _kick(self) -> None:
+        if not self.busy:
+            self._start_step()
+
+    def _start_step(self) -> None:
+        k = self.steps
+        for req in self._joining:  # pulled decode legs: their next token ends this step
+            self._join(req, k)
+        self._joining.clear()
+        p = self.profile
+        budget = p.max_num_batched_tokens - self.batch
+        seats = p.max_num_seqs - self.batch
+        chunks = self._step_prefill
+        prefill_tokens = 0
+        for i, req in enumerate(self.waiting):
+            if budget <= 0 or seats <= 0:
+                break
+            if i >= self._admitted:
+                if not self._try_alloc(req, req.leg == "prefill"):
+                    break  # FCFS: the head waits for blocks, nobody overtakes it
+                self._admitted += 1
+            chunk = min(req.prefill_left, budget)
+            chunks.append((req, chunk))
+            prefill_tokens += chunk
+            budget -= chunk
+            seats -= 1
+        if not chunks and self.batch == 0:
+            self.busy = False
+            return
+        context = self._ctx_sum + self.batch * k if p.decode_ctx_s_per_token else 0
+        duration = p.step_s(prefill_tokens, self.batch, context)
+        self.busy = True
+        self._step_started = self._queue.now
+        self._queue.after(duration, self._end_step)
+
+    def _join(self, req: SimRequest, k: int) -> None:
+        """The request's latest token came out at the end of step k; it decodes from step k+1."""
+        req.join_step = k
+        req.step_engine = self
+        req.ctx_join = req.prompt + 1 - k
+        self._ctx_sum += req.ctx_join
+        self.batch += 1
+        heapq.heappush(self._finishing, (k + req.output - 1, req.index, req))
+
+    def _end_step(self, _: object = None) -> None:
+        now = self._queue.now
+        self.steps += 1
+        k = self.steps
+        duration = now - self._step_started
+        self.busy_s += duration
+        if self.step_ends is not None:
+            self.step_ends.append(now)
+        decoded = self.batch
+        finishing = self._finishing
+        while finishing and finishing[0][0] <= k:
+            _, _, req = heapq.heappop(finishing)
+            self.batch -= 1
+            self._ctx_sum -= req.ctx_join
+            req.finish = now
+            self.release(req)
+            self._on_finished(req, self)
+        done = 0
+        for req, chunk in self._step_prefill:
+            req.prefill_left -= chunk
+            if req.prefill_left <= 0:
+                done += 1
+                req.first_token = now
+                if req.leg == "full" and req.output > 1:
+                    self._join(req, k)
+                elif req.leg == "full":
+                    req.finish = now
+                    self.release(req)
+                self._on_first_token(req, self)
+        self._step_prefill.clear()
+        if done:  # finished prompts are at the head of the queue (FCFS chunks)
+            for _ in range(done):
+                self.waiting.popleft()
+            self._admitted -= done
+        if decoded:
+            self._on_step(self, duration)
+        self.busy = False
+        self._start_step()
+

@@ -1,0 +1,95 @@
+"""What one simulated engine costs: step time, KV capacity, start-up, response latency.
+
+An `EngineProfile` wraps the production `PerfModel` (the router's own model, built by
+`PerfModel.from_calibration` from the same JSON) and adds what only the simulator needs. One
+engine step (vLLM continuous batching) serves the running decode batch plus up to
+`max_num_batched_tokens` of prefill (chunked prefill), and takes
+
+    step_s = decode_step_s + decode_step_per_seq_s * batch          (every non-empty step)
+           + prefill_tokens / prefill_tokens_per_s                  (its prefill chunks)
+           + decode_ctx_s_per_token * context tokens of the batch   (0 unless the profile has it)
+
+`decode_step_s` is the fixed cost of any step (scheduling, kernel launches), so a pure prefill
+step costs `decode_step_s + tokens / rate`. A single request's measured TTFT is that plus the
+response path (HTTP, the frontend, streaming), which does not occupy the engine:
+`response_s = max(0, prefill_overhead_s - decode_step_s)` is added to every token a client sees.
+KV capacity is `num_kv_blocks` of `block_size` tokens; a request reserves its whole
+prompt + output on admission (the router's `blocks_needed` rule). A KV pull takes the PerfModel's
+`transfer_s(prompt tokens)`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from pdserve.scheduler.perf_model import PerfModel
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProfile:
+    perf: PerfModel
+    block_size: int = 16
+    num_kv_blocks: int = 1 << 20
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    startup_s: float = 60.0
+    decode_ctx_s_per_token: float = 0.0
+    gpus: int = 1  # GPUs one engine occupies (GPU-hours count these)
+    name: str = "profile"
+
+    def __post_init__(self) -> None:
+        if min(self.block_size, self.num_kv_blocks, self.max_num_seqs,
+               self.max_num_batched_tokens, self.gpus) < 1:
+            raise ValueError("engine profile sizes must be >= 1")
+        if self.startup_s < 0 or self.decode_ctx_s_per_token < 0:
+            raise ValueError("engine profile times must be non-negative")
+
+    @property
+    def response_s(self) -> float:
+        """Fixed delay on the response path (part of a lone request's TTFT the engine is not busy)."""
+        return max(0.0, self.perf.prefill_overhead_s - self.perf.decode_step_s)
+
+    def step_s(self, prefill_tokens: int, batch: int, context_tokens: int = 0) -> float:
+        """Duration of one engine step (see the module docstring); 0 for an empty step."""
+        if prefill_tokens <= 0 and batch <= 0:
+            return 0.0
+        p = self.perf
+        return (p.decode_step_s + p.decode_step_per_seq_s * batch
+                + prefill_tokens / p.prefill_tokens_per_s
+                + self.decode_ctx_s_per_token * context_tokens)
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], **overrides: Any) -> EngineProfile:
+        """From a calibration/profile JSON (PerfModel keys plus the optional engine keys)."""
+        fields = {k: data[k] for k in ("block_size", "num_kv_blocks", "max_num_seqs",
+                                       "max_num_batched_tokens", "startup_s",
+                                       "decode_ctx_s_per_token", "gpus") if k in data}
+        if "num_kv_blocks" not in fields and "kv_capacity_tokens" in data:
+            size = fields.get("block_size", 16)
+            fields["num_kv_blocks"] = int(data["kv_capacity_tokens"]) // size
+        fields["name"] = str(data.get("name") or data.get("engine") or "profile")
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(perf=PerfModel.from_calibration(data), **fields)
+
+    @classmethod
+    def load(cls, path: str | Path, **overrides: Any) -> EngineProfile:
+        data = json.loads(Path(path).read_text())
+        overrides.setdefault("name", Path(path).stem)
+        return cls.from_json(data, **overrides)
+
+    def with_(self, **changes: Any) -> EngineProfile:
+        return replace(self, **changes)
+
+
+def h200_kv_blocks(data: Mapping[str, Any], hbm_bytes: float = 141e9, weights_bytes: float = 16e9,
+                   utilization: float = 0.9, block_size: int = 16) -> int:
+    """KV blocks an engine of that shape gets on one GPU (vLLM: utilisation x HBM - weights)."""
+    free = hbm_bytes * utilization - weights_bytes
+    return int(free // (data.get("kv_bytes_per_token", 131072) * block_size))

@@ -1,0 +1,174 @@
+"""Record an engine profile from a live OpenAI-compatible endpoint (`pdserve sim profile`).
+
+The profile is the JSON the simulator (and `PerfModel.from_calibration`) reads, with the keys of
+../shared/calibration/h200-vllm0.24-llama8b.json:
+
+- `ttft_single_ms`: prompt length -> median TTFT of one request alone (max_tokens=1);
+- `prefill_tokens_per_s`: "isl{L}_batch{B}" -> prompt tokens per second when B prompts of L
+  tokens arrive together (max_tokens=1; wall time from the first send to the last first token);
+- `tpot_ms_by_batch`: batch -> median inter-token latency when B requests decode together (short
+  prompts, `--output-len` tokens, ignore_eos): the decode step time at that batch;
+- `kv_bytes_per_token` (from the model's config.json: 2 x layers x KV heads x head dim x dtype
+  bytes), `block_size`, `num_kv_blocks`, `startup_s` (what the caller measured, e.g. from
+  `pdserve serve`'s "started in" line), and `transfer` {bytes_per_s, overhead_s} from the
+  service's /metrics KV-transfer counters when it has done pulls.
+
+Measurements go through the benchmark harness's client (`pdserve.bench.client`), so they time
+exactly what `pdserve bench serve` times. Prompts are random token ids (no tokenizer needed).
+
+    python -m pdserve.sim.profile --base-url http://127.0.0.1:8000 --model-dir DIR \
+        --num-kv-blocks 182 --block-size 128 --startup-s 66 --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdserve.bench.client import EndpointConfig, OpenAIStreamClient, RequestOutcome, fetch_first_model
+from pdserve.bench.workloads import BenchRequest
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+
+
+def kv_bytes_per_token(config: dict[str, Any], dtype: str | None = None) -> int:
+    """KV cache bytes one token takes in every layer (K and V), from a HF config.json."""
+    layers = config["num_hidden_layers"]
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    width = _DTYPE_BYTES[dtype or config.get("dtype") or config.get("torch_dtype") or "float16"]
+    return 2 * layers * heads * head_dim * width
+
+
+def _prompt(rng: np.random.Generator, length: int, vocab: int) -> BenchRequest:
+    # Ids from 100 up: low ids are special tokens in most vocabularies.
+    ids = tuple(int(i) for i in rng.integers(100, vocab, size=length))
+    return BenchRequest(prompt=ids, prompt_len=length, output_len=1)
+
+
+async def _together(client: OpenAIStreamClient, requests: Sequence[BenchRequest]
+                    ) -> tuple[list[RequestOutcome], float]:
+    started = time.perf_counter()
+    outcomes = await asyncio.gather(*(client.send(r) for r in requests))
+    failed = [o.error for o in outcomes if not o.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} profile request(s) failed: {failed[0]}")
+    return list(outcomes), time.perf_counter() - started
+
+
+async def measure(endpoint: EndpointConfig, prompt_lens: Sequence[int], batches: Sequence[int],
+                  prefill_batch: int, prefill_len: int, output_len: int, repeats: int,
+                  vocab: int, seed: int = 0) -> dict[str, Any]:
+    """The timing part of a profile (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    raw: dict[str, Any] = {"ttft_s": {}, "prefill_wall_s": None, "itl_s": {}}
+    async with OpenAIStreamClient(endpoint, max_connections=max(max(batches), prefill_batch)) as c:
+        await _together(c, [_prompt(rng, 16, vocab)] * 2)  # warm-up: first requests are slow
+        singles = {}
+        for length in prompt_lens:
+            times = []
+            for _ in range(repeats):
+                outcomes, _ = await _together(c, [_prompt(rng, length, vocab)])
+                times.append(outcomes[0].ttft_s)
+            raw["ttft_s"][str(length)] = times
+            singles[str(length)] = round(statistics.median(times) * 1000, 2)
+        _, wall = await _together(c, [_prompt(rng, prefill_len, vocab)
+                                      for _ in range(prefill_batch)])
+        raw["prefill_wall_s"] = wall
+        rate = {f"isl{prefill_len}_batch{prefill_batch}": round(prefill_len * prefill_batch / wall, 1)}
+        tpot = {}
+        for batch in batches:
+            reqs = [BenchRequest(_prompt(rng, 16, vocab).prompt, 16, output_len) for _ in range(batch)]
+            outcomes, _ = await _together(c, reqs)
+            # Drop each request's first gap: it may wait on the others' prefill.
+            gaps = [g for o in outcomes for g in o.itls_s[1:]]
+            raw["itl_s"][str(batch)] = [round(g, 5) for g in gaps]
+            tpot[str(batch)] = round(statistics.median(gaps) * 1000, 2)
+    return {"ttft_single_ms": singles, "prefill_tokens_per_s": rate, "tpot_ms_by_batch": tpot,
+            "raw": raw}
+
+
+def transfer_from_metrics(text: str) -> dict[str, float] | None:
+    """{bytes_per_s, overhead_s} from pdserve's KV-transfer counters (None without pulls)."""
+    def total(name: str) -> float:
+        pattern = re.compile(rf"^{name}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.M)
+        return sum(float(v) for v in pattern.findall(text))
+    moved = total("pdserve_kv_transfer_bytes_total")
+    seconds = total("pdserve_kv_transfer_seconds_sum")
+    pulls = total("pdserve_kv_transfer_seconds_count")
+    if moved <= 0 or seconds <= 0:
+        return None
+    # One number per pull is all the counters give: the whole time is charged to bandwidth.
+    return {"bytes_per_s": moved / seconds, "overhead_s": 0.0, "pulls": pulls}
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="python -m pdserve.sim.profile",
+                                               description=__doc__.split("\n")[0])
+    parser.add_argument("--base-url", required=True, help="the service, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", help="served model name (default: the first of /v1/models)")
+    parser.add_argument("--model-dir", type=Path, help="HF checkpoint dir: kv_bytes_per_token from its config.json")
+    parser.add_argument("--dtype", help="KV dtype (default: the config's)")
+    parser.add_argument("--kv-bytes-per-token", type=int, help="instead of --model-dir")
+    parser.add_argument("--num-kv-blocks", type=int, required=True, help="KV blocks per engine (engine log)")
+    parser.add_argument("--block-size", type=int, default=128, help="tokens per KV block (CPU vLLM: 128)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--startup-s", type=float, required=True, help="engine start to ready, measured")
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=[32, 128, 256, 512])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--prefill-batch", type=int, default=4)
+    parser.add_argument("--prefill-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vocab-size", type=int, default=49152)
+    parser.add_argument("--note", default="", help="free text stored in the profile (machine, load)")
+    parser.add_argument("--out", type=Path, required=True)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.kv_bytes_per_token is None and args.model_dir is None:
+        raise SystemExit("give --model-dir or --kv-bytes-per-token")
+    kv = args.kv_bytes_per_token or kv_bytes_per_token(
+        json.loads((args.model_dir / "config.json").read_text()), args.dtype)
+    model = args.model or asyncio.run(fetch_first_model(args.base_url))
+    endpoint = EndpointConfig(base_url=args.base_url, model=model, ignore_eos=True, temperature=0.0)
+    timings = asyncio.run(measure(endpoint, args.prompt_lens, args.batches, args.prefill_batch,
+                                  args.prefill_len, args.output_len, args.repeats, args.vocab_size))
+    profile: dict[str, Any] = {
+        "engine": f"endpoint {args.base_url}", "model": model, "note": args.note,
+        "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "startup_s": args.startup_s, **timings, "kv_bytes_per_token": kv,
+        "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    try:
+        import httpx
+        transfer = transfer_from_metrics(httpx.get(f"{args.base_url}/metrics", timeout=5).text)
+        if transfer:
+            profile["transfer"] = transfer
+    except Exception as e:  # a plain vLLM server has other metrics; the profile stands without
+        print(f"no KV-transfer metrics: {e!r}", file=sys.stderr)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(profile, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in profile.items() if k != "raw"}, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
