@@ -1,4 +1,4 @@
-"""`pdserve bench {serve,sweep,compare}`: the benchmark harness on the command line.
+"""`pdserve bench {serve,sweep,compare,tune}`: the benchmark harness on the command line.
 
 `add_parser(subparsers)` registers `bench` on the pdserve CLI; `main(argv)` runs the same commands
 standalone (`python -m pdserve.bench.cli serve ...`). Flags that `vllm bench serve` also has keep its names
@@ -8,6 +8,11 @@ so a vllm command line works after swapping the program name. Differences: `--pe
 defaults to all four latency metrics and `--metric-percentiles` to "90,99"; synthetic and trace datasets
 default to `--ignore-eos` (vllm does this for random) and `--no-ignore-eos` turns it off.
 
+`tune` is the one command that starts servers itself: for each candidate deployment and engine knobs
+(tune.py) it starts `pdserve serve`, runs a goodput search against it and stops it (service.py); it writes
+`tune.json` (what `--resume` reads), `tune.csv` and `tune.png` into --result-dir, and the services' logs
+under `logs/`.
+
 Every flag is validated before any request is sent: a bad value is an argparse error naming the flag.
 """
 
@@ -15,8 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
+import json
 import math
+import os
+import platform
+import shlex
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,11 +39,13 @@ from pdserve.bench.metrics import SLOTargets
 from pdserve.bench.report import (
     default_result_filename,
     format_summary,
+    json_safe,
     result_json,
     save_csv,
     save_json,
 )
 from pdserve.bench.runner import BenchmarkError, BenchmarkResult, RunConfig, run_benchmark
+from pdserve.bench.service import ServeProcess, ServiceStartError
 from pdserve.bench.sweep import (
     ComparisonRow,
     GoodputResult,
@@ -47,6 +60,20 @@ from pdserve.bench.sweep import (
     sweep_rates,
 )
 from pdserve.bench.tokenizer import HFTokenizer, load_tokenizer
+from pdserve.bench.tune import (
+    Candidate,
+    Trial,
+    TrialStatus,
+    TuneRecord,
+    TuneSettings,
+    best_per_deployment,
+    format_ranking,
+    plan_candidates,
+    rank_trials,
+    resumable_trials,
+    run_tuning,
+    trial_to_dict,
+)
 from pdserve.bench.workloads import (
     SHAPES,
     BenchRequest,
@@ -77,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_commands(parser: argparse.ArgumentParser) -> None:
-    commands = parser.add_subparsers(dest="bench_command", metavar="{serve,sweep,compare}", required=True)
+    commands = parser.add_subparsers(
+        dest="bench_command", metavar="{serve,sweep,compare,tune}", required=True
+    )
     serve = commands.add_parser("serve", help="one benchmark run, like vllm bench serve")
     cli_args.add_run_args(serve)
     sweep = commands.add_parser("sweep", help="SLO attainment over request rates, or a goodput search")
@@ -87,7 +116,12 @@ def _add_commands(parser: argparse.ArgumentParser) -> None:
     cli_args.add_run_args(compare, with_target=False)
     cli_args.add_sweep_args(compare)
     cli_args.add_compare_args(compare)
-    for sub, command in ((serve, "serve"), (sweep, "sweep"), (compare, "compare")):
+    tune = commands.add_parser(
+        "tune", help="search pool split (xPyD vs colocated) and engine knobs for max goodput per GPU"
+    )
+    cli_args.add_run_args(tune, with_target=False)
+    cli_args.add_tune_args(tune)
+    for sub, command in ((serve, "serve"), (sweep, "sweep"), (compare, "compare"), (tune, "tune")):
         # `func` and `handler`: the two names parent CLIs dispatch on (pdserve's own uses `handler`).
         sub.set_defaults(func=run_command, handler=run_command, bench_command=command, bench_parser=sub)
 
@@ -101,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_command(args: argparse.Namespace) -> int:
     """Validate the parsed flags (argparse errors on bad ones), then run the chosen command."""
     cli_args.validate(args, args.bench_parser)
-    commands = {"serve": _serve, "sweep": _sweep, "compare": _compare}
+    commands = {"serve": _serve, "sweep": _sweep, "compare": _compare, "tune": _tune}
     try:
         return asyncio.run(commands[args.bench_command](args))
     except (BenchmarkError, ConnectionError, ValueError, OSError) as exc:
@@ -332,6 +366,161 @@ def _point_summary(point: SweepPoint) -> dict[str, Any]:
         "completed": metrics.completed,
         "failed": metrics.failed,
     }
+
+
+# --- tune ---------------------------------------------------------------------------------------------
+
+
+def _tune_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything that makes two trials comparable; `--resume` refuses a record made with other values."""
+    names = ("endpoint", "model", "dataset_name", "dataset_path", "prompt_format", "num_prompts",
+             "random_input_len", "random_output_len", "random_range_ratio", "length_scale", "max_model_len",
+             "seed", "burstiness", "max_concurrency", "num_warmups", "ignore_eos", "temperature",
+             "extra_body", "target_attainment", "search_start_rate", "search_max_rate", "search_growth",
+             "search_tolerance", "search_max_probes", "num_cpus_per_engine", "gpus_per_engine")
+    settings = {name: getattr(args, name) for name in names}
+    settings["goodput"] = SLOTargets.parse(args.goodput).as_dict()
+    settings["serve_args"] = _passthrough_serve_args(args)
+    return json_safe(settings)  # as save_json writes it, so a resumed record compares equal
+
+
+def _passthrough_serve_args(args: argparse.Namespace) -> list[str]:
+    extra = [flag for chunk in args.serve_args for flag in chunk]
+    if args.num_cpus_per_engine is not None:
+        for pool in ("colocated", "prefill", "decode"):
+            extra += ["--set", f"pools.{pool}.num_cpus={args.num_cpus_per_engine:g}"]
+    return extra
+
+
+async def _tune(args: argparse.Namespace) -> int:
+    out = Path(args.result_dir or ".")
+    record_path = out / "tune.json"
+    settings = _tune_settings(args)
+    previous = {}
+    if args.resume and record_path.exists():
+        previous = resumable_trials(json.loads(record_path.read_text()), settings)
+        print(f"Resuming: {len(previous)} trial(s) recorded in {record_path}")
+    plan = plan_candidates(args.deployment_list, args.num_seqs_list, args.num_batched_tokens_list)
+    tune_settings = TuneSettings(
+        prune_drop=None if args.no_prune else args.prune_drop, gpus_per_engine=args.gpus_per_engine
+    )
+    meta = {"command": shlex.join(sys.argv), "machine": _machine(),
+            "load_average_at_start": os.getloadavg()}
+    done: list[Trial] = []
+
+    def record(trial: Trial) -> None:
+        done.append(trial)
+        _print_trial(trial)
+        partial = record_path.with_suffix(".json.tmp")
+        save_json(TuneRecord(settings, done, meta).to_dict(), partial)
+        partial.replace(record_path)  # atomic: an interrupted write never corrupts what --resume reads
+
+    print(f"Tuning {len(plan)} candidate(s): {', '.join(c.key for c in plan)}")
+    trials = await run_tuning(
+        plan, lambda c: _evaluate_candidate(args, c, tune_settings), tune_settings, previous, record
+    )
+    print(format_ranking(trials))
+    best = best_per_deployment(trials)
+    if best:
+        print("\nBest of each deployment:")
+        print(format_comparison([_deployment_row(t) for t in best]))
+    _save_tune_outputs(args, trials, out)
+    return 0
+
+
+async def _evaluate_candidate(args: argparse.Namespace, candidate: Candidate, settings: TuneSettings) -> Trial:
+    """Start the candidate's service, search its goodput, stop it; a failure becomes a FAILED trial."""
+    num_gpus = settings.num_gpus(candidate)
+    serve_args = [*candidate.deployment.serve_args(), *candidate.knobs.serve_args(),
+                  *_passthrough_serve_args(args)]
+    log = Path(args.result_dir or ".") / "logs" / f"{candidate.slug}.log"
+    began = time.monotonic()
+    print(f"[{candidate.key}] starting pdserve serve {' '.join(serve_args)}", flush=True)
+    try:
+        service = await _start_service(args, candidate, serve_args, log)
+    except ServiceStartError as exc:
+        return Trial(candidate, TrialStatus.FAILED, num_gpus, error=_error_summary(exc),
+                     wall_s=time.monotonic() - began, load_1m=os.getloadavg()[0])
+    start_s = time.monotonic() - began
+    print(f"[{candidate.key}] healthy after {start_s:.1f} s", flush=True)
+    try:
+        config, requests, tokenizer = await _prepare(args, service.base_url, candidate.slug)
+
+        async def run_at(rate: float) -> BenchmarkResult:
+            result = await _run(config.at_rate(rate), requests, tokenizer)
+            attainment = result.metrics.attainment.all if result.metrics.attainment else 0.0
+            print(f"[{candidate.key}] rate {rate:.3f} req/s: SLO attainment {attainment:.1%}", flush=True)
+            _save_run(args, result, tag=f"{candidate.slug}-{rate:g}qps")
+            return result
+
+        found = await search_goodput(run_at, _search_settings(args), num_gpus)
+    except (BenchmarkError, ConnectionError, OSError) as exc:
+        return Trial(candidate, TrialStatus.FAILED, num_gpus, error=_error_summary(exc),
+                     start_s=start_s, wall_s=time.monotonic() - began, load_1m=os.getloadavg()[0])
+    finally:
+        service.stop()  # synchronous: runs even when the search is cancelled (Ctrl-C)
+    probes = tuple((p.request_rate, p.attainment) for p in found.points)
+    return Trial(candidate, TrialStatus.OK, num_gpus, found.max_goodput_rate, probes,
+                 start_s=start_s, wall_s=time.monotonic() - began, load_1m=os.getloadavg()[0])
+
+
+async def _start_service(
+    args: argparse.Namespace, candidate: Candidate, serve_args: list[str], log: Path
+) -> ServeProcess:
+    """Start the candidate's service, retrying --start-retries times: on a shared host a local Ray can
+    time out starting under load, which says nothing about the candidate."""
+    for attempt in range(args.start_retries + 1):
+        try:
+            return await ServeProcess.start(serve_args, log, args.start_timeout)
+        except ServiceStartError as exc:
+            if attempt == args.start_retries:
+                raise
+            print(f"[{candidate.key}] start failed ({_error_summary(exc)}); retrying", flush=True)
+    raise AssertionError("unreachable")
+
+
+def _error_summary(exc: Exception) -> str:
+    """First line of the error, plus the last line of the log tail it carries (usually the cause)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+
+
+def _print_trial(trial: Trial) -> None:
+    if trial.status is TrialStatus.OK:
+        outcome = f"max goodput {trial.max_goodput_rate:.3f} req/s ({trial.goodput_per_gpu:.3f} per GPU)"
+    else:
+        outcome = trial.status.value + (f": {trial.error}" if trial.error else "")
+    print(f"[{trial.candidate.key}] {outcome}", flush=True)
+
+
+def _deployment_row(trial: Trial) -> ComparisonRow:
+    values = (("max goodput req/s", trial.max_goodput_rate), ("per GPU", trial.goodput_per_gpu))
+    return ComparisonRow(f"{trial.candidate.deployment.name} ({trial.candidate.knobs.name})",
+                         trial.num_gpus, values)
+
+
+def _save_tune_outputs(args: argparse.Namespace, trials: Sequence[Trial], out: Path) -> None:
+    """tune.csv (one row per candidate) and, unless --no-plots, tune.png (goodput per GPU, ranked)."""
+    columns = ("key", "deployment", "max_num_seqs", "max_num_batched_tokens", "status", "num_gpus",
+               "max_goodput_rate", "goodput_per_gpu", "probes", "start_s", "wall_s", "load_1m", "error")
+    with (out / "tune.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(columns)
+        for trial in rank_trials(trials):
+            row = trial_to_dict(trial)
+            row["probes"] = ";".join(f"{p['request_rate']:g}:{p['slo_attainment']:.3f}" for p in row["probes"])
+            writer.writerow([row[c] for c in columns])
+    measured = [t for t in rank_trials(trials) if t.status is TrialStatus.OK]
+    if measured and not args.no_plots:
+        from pdserve.bench.plots import plot_goodput_ranking
+
+        bars = [(t.candidate.key, t.candidate.deployment.name, t.goodput_per_gpu) for t in measured]
+        plot_goodput_ranking(bars, out / "tune.png")
+    print(f"Saved {out / 'tune.json'} (+ tune.csv{'' if args.no_plots else ', tune.png'}, logs/)")
+
+
+def _machine() -> str:
+    return f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 if __name__ == "__main__":

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 from typing import Any
 
 from pdserve.bench.metrics import LATENCY_METRICS, SLOTargets
 from pdserve.bench.sweep import NamedTarget
+from pdserve.bench.tune import Deployment, deployments_for_budget
 from pdserve.bench.workloads import SHAPES, PromptFormat
 
 DATASETS = ("random", *SHAPES, "mooncake")
@@ -240,6 +242,17 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--search-goodput", action="store_true", help="search the highest rate meeting --target-attainment"
     )
+    _add_search_args(group)
+    group.add_argument(
+        "--num-gpus",
+        type=_positive_int,
+        default=1,
+        help="GPUs behind the endpoint, for per-GPU rates (sweep; compare reads gpus= from --target)",
+    )
+
+
+def _add_search_args(group: argparse._ArgumentGroup) -> None:
+    """Goodput search settings (sweep.GoodputSearch), shared by sweep, compare and tune."""
     group.add_argument("--target-attainment", type=_fraction, default=0.9)
     group.add_argument("--search-start-rate", type=_positive_float, default=1.0)
     group.add_argument("--search-max-rate", type=_positive_float, default=1024.0)
@@ -251,12 +264,6 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
         help="stop when the pass/fail bracket is within this fraction",
     )
     group.add_argument("--search-max-probes", type=_positive_int, default=12)
-    group.add_argument(
-        "--num-gpus",
-        type=_positive_int,
-        default=1,
-        help="GPUs behind the endpoint, for per-GPU rates (sweep; compare reads gpus= from --target)",
-    )
 
 
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
@@ -267,6 +274,122 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=URL[,gpus=N]",
         help="an endpoint to compare; repeat; the first is the baseline",
     )
+
+
+def _knob_value(text: str) -> int | None:
+    """A knob value for the tuner's grids: a positive integer, or "default" (the engine's own)."""
+    return None if text == "default" else _positive_int(text)
+
+
+def _serve_args(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"cannot split {text!r}: {exc}") from None
+
+
+def add_tune_args(parser: argparse.ArgumentParser) -> None:
+    """What `pdserve bench tune` searches and how it starts each candidate service."""
+    group = parser.add_argument_group("tuning (each candidate is a `pdserve serve` the tuner starts)")
+    group.add_argument(
+        "--num-engines",
+        type=_positive_int,
+        default=None,
+        help="engine (GPU) budget N: try colocated:N and every xPyD with x + y = N",
+    )
+    group.add_argument(
+        "--deployments",
+        nargs="+",
+        default=None,
+        metavar="SPEC",
+        help="deployments to try instead of all of --num-engines: xPyD (e.g. 3P1D) or colocated[:N]",
+    )
+    group.add_argument(
+        "--num-seqs-list",
+        type=_knob_value,
+        nargs="+",
+        default=[None],
+        metavar="N|default",
+        help="max_num_seqs values to try (as auto_tune's NUM_SEQS_LIST; default: the engine's)",
+    )
+    group.add_argument(
+        "--num-batched-tokens-list",
+        type=_knob_value,
+        nargs="+",
+        default=[None],
+        metavar="N|default",
+        help="max_num_batched_tokens values to try (as auto_tune's NUM_BATCHED_TOKENS_LIST)",
+    )
+    group.add_argument(
+        "--serve-args",
+        type=_serve_args,
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help='extra `pdserve serve` flags for every candidate, one quoted string, e.g. "--engine mock"',
+    )
+    group.add_argument(
+        "--num-cpus-per-engine",
+        type=float,
+        default=None,
+        help="Ray CPUs each engine reserves in every pool (below 1 to fit N engines on a small host)",
+    )
+    group.add_argument(
+        "--gpus-per-engine", type=_positive_int, default=1, help="GPUs per engine (tensor parallel)"
+    )
+    group.add_argument(
+        "--prune-drop",
+        type=_fraction,
+        default=0.1,
+        help="stop a max_num_seqs series once goodput falls this fraction below its best",
+    )
+    group.add_argument("--no-prune", action="store_true", help="evaluate every candidate")
+    group.add_argument(
+        "--resume", action="store_true", help="reuse the trials in --result-dir's tune.json (same settings)"
+    )
+    group.add_argument(
+        "--start-timeout", type=_positive_float, default=900.0, help="seconds a service may take to start"
+    )
+    group.add_argument(
+        "--start-retries", type=_non_negative_int, default=1, help="restarts of a service that failed to start"
+    )
+    _add_search_args(group)
+
+
+# `pdserve serve` flags the tuner sets itself for every candidate.
+_TUNER_OWNED_SERVE_FLAGS = ("--port", "--mode", "--replicas", "--prefill", "--decode", "--max-num-seqs")
+
+
+def _validate_tune(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if not args.goodput:
+        parser.error("tune ranks by goodput: add --goodput ttft:MS tpot:MS")
+    if args.num_engines is None and not args.deployments:
+        parser.error("tune needs --num-engines N or --deployments SPEC...")
+    try:
+        args.deployment_list = deployments_of(args)
+    except ValueError as exc:
+        parser.error(f"--deployments: {exc}")
+    passed = [flag for chunk in args.serve_args for flag in chunk]
+    owned = sorted({flag.split("=")[0] for flag in passed} & set(_TUNER_OWNED_SERVE_FLAGS))
+    if owned:
+        parser.error(f"--serve-args must not set {', '.join(owned)}: the tuner sets them per candidate")
+    settings = [flag.split("=")[0] for flag in passed if flag.startswith("engine.max_num")]
+    if settings:
+        parser.error(f"--serve-args must not set {', '.join(settings)}: use --num-seqs-list / "
+                     "--num-batched-tokens-list")
+    if args.search_start_rate > args.search_max_rate:
+        parser.error("--search-start-rate must not exceed --search-max-rate")
+    if args.search_growth <= 1.0:
+        parser.error("--search-growth must be > 1")
+    if args.num_cpus_per_engine is not None and args.num_cpus_per_engine < 0:
+        parser.error("--num-cpus-per-engine must be >= 0")
+
+
+def deployments_of(args: argparse.Namespace) -> list[Deployment]:
+    """--deployments parsed (colocated without :N means --num-engines), or all splits of --num-engines."""
+    if args.deployments:
+        return [Deployment.parse(spec, args.num_engines) for spec in args.deployments]
+    return deployments_for_budget(args.num_engines)
 
 
 def base_url(args: argparse.Namespace) -> str:
@@ -290,6 +413,8 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         _validate_rates(args, parser)
     if args.bench_command == "compare":
         _validate_targets(args, parser)
+    if args.bench_command == "tune":
+        _validate_tune(args, parser)
 
 
 def _validate_rates(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -70,20 +70,90 @@ def plot_attainment_vs_rate(
     title: str = "SLO attainment vs request rate",
 ) -> Path:
     """One line per named system: attainment (%) over offered rate, per GPU when `num_gpus` is given."""
+    curves = {name: [(p.request_rate, p.attainment) for p in points] for name, points in series.items()}
+    return plot_attainment_curves(curves, path, target_attainment, num_gpus, title)
+
+
+def plot_attainment_curves(
+    curves: Mapping[str, Sequence[tuple[float, float]]],
+    path: str | Path,
+    target_attainment: float = 0.9,
+    num_gpus: Mapping[str, int] | None = None,
+    title: str = "SLO attainment vs request rate",
+) -> Path:
+    """Like `plot_attainment_vs_rate`, from plain (rate, attainment fraction) pairs (saved results)."""
     figure = Figure(figsize=(6.5, 4.2))
-    axes = figure.subplots()
-    for name, points in series.items():
-        ordered = sorted(points, key=lambda p: p.request_rate)
+    _draw_attainment(figure.subplots(), curves, target_attainment, num_gpus, "requests meeting all SLOs (%)")
+    figure.axes[0].set_title(title)
+    return _save(figure, path)
+
+
+# Panels of `plot_slo_attainment_panels`: key of the result JSON's slo_attainment dict, and its title.
+_ATTAINMENT_PANELS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("all", "TTFT and TPOT"))
+
+
+def plot_slo_attainment_panels(
+    runs: Mapping[str, Sequence[tuple[float, Mapping[str, float]]]],
+    path: str | Path,
+    target_attainment: float = 0.9,
+    num_gpus: Mapping[str, int] | None = None,
+    title: str = "SLO attainment vs request rate",
+) -> Path:
+    """Three panels (TTFT, TPOT, both) of attainment vs rate, one line per system.
+
+    `runs` maps a system to (request rate, the run's `slo_attainment` dict) pairs, as saved in every
+    result JSON, so recorded runs are re-plotted without rerunning them.
+    """
+    figure = Figure(figsize=(15, 4.2))
+    for axes, (key, label) in zip(figure.subplots(1, 3), _ATTAINMENT_PANELS, strict=True):
+        curves = {
+            name: [(rate, shares[key]) for rate, shares in points if key in shares]
+            for name, points in runs.items()
+        }
+        _draw_attainment(axes, curves, target_attainment, num_gpus, f"requests meeting {label} SLO (%)")
+        axes.set_title(label)
+    figure.suptitle(title)
+    return _save(figure, path)
+
+
+def _draw_attainment(
+    axes,
+    curves: Mapping[str, Sequence[tuple[float, float]]],
+    target_attainment: float,
+    num_gpus: Mapping[str, int] | None,
+    ylabel: str,
+) -> None:
+    for name, points in curves.items():
+        ordered = sorted(points)
         gpus = (num_gpus or {}).get(name, 1)
-        rates = [p.request_rate / gpus for p in ordered]
-        axes.plot(rates, [p.attainment * 100.0 for p in ordered], marker="o", label=name)
+        axes.plot([r / gpus for r, _ in ordered], [a * 100.0 for _, a in ordered], marker="o", label=name)
     axes.axhline(
         target_attainment * 100.0, color="gray", linestyle=":", label=f"{target_attainment:.0%} target"
     )
     axes.set_xlabel("request rate per GPU (req/s)" if num_gpus else "request rate (req/s)")
-    axes.set_ylabel("requests meeting all SLOs (%)")
+    axes.set_ylabel(ylabel)
     axes.set_ylim(0.0, 102.0)
     axes.grid(alpha=0.3)
     axes.legend()
+
+
+def plot_goodput_ranking(
+    bars: Sequence[tuple[str, str, float]], path: str | Path, title: str = "Max goodput per GPU"
+) -> Path:
+    """Horizontal bars, best at the top: (candidate label, group e.g. deployment, goodput req/s per GPU).
+
+    Bars of one group share a colour, so the pool split and the engine knobs read apart.
+    """
+    figure = Figure(figsize=(8, 0.35 * len(bars) + 1.5))
+    axes = figure.subplots()
+    groups = list(dict.fromkeys(group for _, group, _ in bars))
+    colours = {group: f"C{i % 10}" for i, group in enumerate(groups)}
+    ordered = list(reversed(bars))  # barh draws bottom-up
+    axes.barh(
+        range(len(ordered)), [v for _, _, v in ordered], color=[colours[g] for _, g, _ in ordered]
+    )
+    axes.set_yticks(range(len(ordered)), [label for label, _, _ in ordered])
+    axes.set_xlabel("max goodput per GPU (req/s)")
+    axes.grid(axis="x", alpha=0.3)
     axes.set_title(title)
     return _save(figure, path)

@@ -145,18 +145,19 @@ def save_json(payload: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as out:
-        json.dump(_json_safe(payload), out, indent=2)
+        json.dump(json_safe(payload), out, indent=2)
         out.write("\n")
     return path
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """The value with infinities as "inf"/"-inf" strings and tuples as lists (what save_json writes)."""
     if isinstance(value, float) and math.isinf(value):
         return "inf" if value > 0 else "-inf"
     if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
+        return {key: json_safe(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(item) for item in value]
+        return [json_safe(item) for item in value]
     return value
 
 
