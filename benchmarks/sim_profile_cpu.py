@@ -1,7 +1,14 @@
 """Start the CPU service, record its engine profile with `pdserve.sim.profile`, stop it.
 
-    .venv/bin/python benchmarks/sim_profile_cpu.py --arm colocated --out benchmarks/results/sim/cpu-profile
-    .venv/bin/python benchmarks/sim_profile_cpu.py --arm disaggregated --out benchmarks/results/sim/cpu-profile
+    .venv/bin/python benchmarks/sim_profile_cpu.py --arm colocated --out benchmarks/results/sim/cpu-profile \
+        --bench-rates 0.5 1 2
+    .venv/bin/python benchmarks/sim_profile_cpu.py --arm disaggregated --out benchmarks/results/sim/cpu-profile \
+        --bench-rates 0.5 1 2
+
+With --bench-rates, the same service is then measured with benchmarks/cpu_compare.py's exact
+workload (random 256 in / 32 out, 16 prompts, Poisson, 2 warm-ups, seed 0, goodput TTFT 2000 ms
+and TPOT 250 ms) at each rate, so profile and benchmark see the same machine load: the shared
+box's load changes by the minute, and the simulator can only predict the engine it was fed.
 
 The arms start exactly like benchmarks/cpu_compare.py starts them (same flags), so the profile
 describes the engines that the recorded comparison measured. The start time (launch to /health)
@@ -12,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,10 +39,24 @@ ARMS = {
 NUM_KV_BLOCKS = 182
 
 
+def bench(base_url: str, model_dir: Path, arm: str, rate: float, out: Path) -> None:
+    """benchmarks/cpu_compare.py's run_bench, same flags."""
+    cmd = [sys.executable, "-m", "pdserve.bench.cli", "serve", "--base-url", base_url,
+           "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(model_dir),
+           "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "32",
+           "--num-prompts", "16", "--request-rate", str(rate), "--num-warmups", "2", "--seed", "0",
+           "--goodput", "ttft:2000", "tpot:250", "--save-result", "--result-dir", str(out),
+           "--result-filename", f"{arm}-bench-rate{rate:g}.json", "--label", arm,
+           "--disable-tqdm"]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arm", choices=sorted(ARMS), required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--bench-rates", type=float, nargs="*", default=[])
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_embedded_model()
@@ -50,7 +72,10 @@ def main() -> int:
                 "--startup-s", f"{startup:.1f}", "--note",
                 f"pdserve serve {' '.join(ARMS[args.arm])} on the 2-core CPU box",
                 "--out", str(args.out / f"{args.arm}.json")]
-        return profile.main(argv)
+        code = profile.main(argv)
+        for rate in args.bench_rates:
+            bench(server.base_url, model_dir, args.arm, rate, args.out)
+        return code
     finally:
         server.stop()
 

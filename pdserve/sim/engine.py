@@ -14,8 +14,13 @@ Lifecycle of a request on an engine (`SimEngine`):
 
 Decode tokens are not events: a request that joins the batch after step k finishes at step
 k + output - 1, kept in a heap by that step number, so a step costs O(log n) for the requests
-that finish in it, not O(batch). Step end times are kept (`record_steps`) only when per-token
-ITLs are wanted.
+that finish in it, not O(batch). Nor are most steps: while an engine only decodes, every step
+has the same duration (the batch does not change), so one event covers the whole run of steps
+up to the next request that finishes (`skip_steps`). New work interrupts the run: the steps
+already over are counted, the one in flight ends at its boundary (as in vLLM, new work waits
+for the next step), and stepping resumes one step at a time. This gives the same timeline as
+stepping one by one, with events in proportion to requests instead of GPU-seconds. Step end
+times are kept (`record_steps`) only when per-token ITLs are wanted.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ class SimEngine:
                  on_kv_change: Callable[[SimEngine], None],
                  on_step: Callable[[SimEngine, float], None],
                  on_pulled: Callable[[SimRequest, SimEngine], None],
-                 record_steps: bool = False) -> None:
+                 record_steps: bool = False, skip_steps: bool = True) -> None:
         self.replica_id = replica_id
         self.pool = pool
         self.profile = profile
@@ -91,6 +96,9 @@ class SimEngine:
         self._step_prefill: list[tuple[SimRequest, int]] = []
         self._step_started = 0.0
         self.created = queue.now
+        self._skip = skip_steps and profile.decode_ctx_s_per_token == 0
+        self._run: tuple[int, float, float, int] | None = None  # (k0, t0, step_s, steps)
+        self._run_token = 0
         self.draining = False
         self.removed: float | None = None
 
@@ -169,6 +177,37 @@ class SimEngine:
     def _kick(self) -> None:
         if not self.busy:
             self._start_step()
+        elif self._run is not None:
+            self._interrupt_run()
+
+    def _interrupt_run(self) -> None:
+        """New work during a decode-only run: end the run at the boundary of the step in flight."""
+        k0, t0, step, n = self._run
+        done = min(int((self._queue.now - t0) / step), n - 1)
+        self._run = None
+        self._run_token += 1
+        self._advance(done, t0, step)
+        self._step_started = t0 + done * step
+        self._queue.schedule(max(t0 + (done + 1) * step, self._queue.now), self._end_step)
+
+    def _advance(self, m: int, t0: float, step: float) -> None:
+        """Count `m` decode steps of a run (none of them finishes a request)."""
+        if m <= 0:
+            return
+        if self.step_ends is not None:
+            self.step_ends.extend(t0 + step * j for j in range(1, m + 1))
+        self.steps += m
+        self.busy_s += m * step
+        self._on_step(self, step)
+
+    def _end_run(self, token: int) -> None:
+        if token != self._run_token or self._run is None:
+            return  # interrupted: a plain step end was scheduled instead
+        k0, t0, step, n = self._run
+        self._run = None
+        self._advance(n - 1, t0, step)
+        self._step_started = self._queue.now - step
+        self._end_step()
 
     def _start_step(self) -> None:
         k = self.steps
@@ -199,6 +238,13 @@ class SimEngine:
         duration = p.step_s(prefill_tokens, self.batch, context)
         self.busy = True
         self._step_started = self._queue.now
+        if not chunks and self._skip:
+            steps = self._finishing[0][0] - k  # until the next request finishes
+            if steps > 1:
+                self._run = (k, self._queue.now, duration, steps)
+                self._run_token += 1
+                self._queue.after(steps * duration, self._end_run, self._run_token)
+                return
         self._queue.after(duration, self._end_step)
 
     def _join(self, req: SimRequest, k: int) -> None:

@@ -86,6 +86,7 @@ class SimConfig:
     sample_interval_s: float = 10.0  # pool sizes are recorded this often
     window_s: float = 30.0  # the SLO tracker's window
     record_itls: bool = True  # per-token gaps (memory grows with steps; off for large runs)
+    skip_steps: bool = True  # one event per decode-only run of steps (same timeline, faster)
     keep_requests: bool = True  # per-request outcomes (off: only streaming summaries)
 
 
@@ -160,7 +161,7 @@ class Simulation:
         p = self.config.profile
         engine = SimEngine(rid, pool, p, self.queue, self._first_token, self._finished,
                            self._kv_changed, self._stepped, self._pulled,
-                           self.config.record_itls)
+                           self.config.record_itls, self.config.skip_steps)
         engine.draining = False
         self._engines[pool][rid] = engine
         self._all_engines.append(engine)

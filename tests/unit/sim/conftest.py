@@ -1,0 +1,24 @@
+import numpy as np
+import pytest
+
+from pdserve.scheduler.perf_model import PerfModel
+from pdserve.sim.engine_profile import EngineProfile
+from pdserve.sim.workload import Workload
+
+# Round numbers so every expected time below can be computed by hand:
+# prefill 1000 tok/s, step 10 ms + 1 ms per running sequence, lone-request TTFT overhead 50 ms
+# (so a 40 ms response path), KV pull 1 MB/s at 1000 bytes per token (1 ms per token).
+PERF = PerfModel(prefill_tokens_per_s=1000.0, decode_step_s=0.010, decode_step_per_seq_s=0.001,
+                 prefill_overhead_s=0.050, kv_bytes_per_token=1000, transfer_bytes_per_s=1e6)
+
+
+@pytest.fixture
+def profile():
+    return EngineProfile(PERF, block_size=16, num_kv_blocks=1000, max_num_seqs=64,
+                         max_num_batched_tokens=512, startup_s=30.0, name="hand")
+
+
+def workload(*rows):
+    """rows of (arrival, prompt, output)."""
+    a, p, o = zip(*rows)
+    return Workload(np.array(a, float), np.array(p, np.int64), np.array(o, np.int64), "hand")

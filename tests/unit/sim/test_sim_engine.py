@@ -1,0 +1,101 @@
+import pytest
+
+from conftest import PERF
+from pdserve.sim.engine import SimEngine, SimRequest
+from pdserve.sim.engine_profile import EngineProfile
+from pdserve.sim.events import EventQueue
+
+pytestmark = pytest.mark.unit
+
+
+class Bench:
+    """One engine on a queue, recording first-token and finish times."""
+
+    def __init__(self, profile, skip=True):
+        self.q = EventQueue()
+        self.first, self.done, self.steps = {}, {}, []
+        self.engine = SimEngine("e0", "colocated", profile, self.q,
+                                lambda r, e: self.first.setdefault(r.index, self.q.now),
+                                lambda r, e: self.done.setdefault(r.index, self.q.now),
+                                lambda e: None, lambda e, s: self.steps.append(s),
+                                lambda r, e: None, record_steps=True, skip_steps=skip)
+
+    def at(self, t, index, prompt, output):
+        req = SimRequest(index, t, prompt, output)
+        self.q.schedule(t, lambda r: self.engine.submit_prefill(r), req)
+        return req
+
+
+def test_step_time_is_the_documented_formula(profile):
+    assert profile.step_s(0, 0) == 0.0
+    assert profile.step_s(200, 0) == pytest.approx(0.010 + 0.200)
+    assert profile.step_s(0, 4) == pytest.approx(0.010 + 0.004)
+    assert profile.step_s(300, 1) == pytest.approx(0.010 + 0.001 + 0.300)
+    assert profile.response_s == pytest.approx(0.040)
+    ctx = profile.with_(decode_ctx_s_per_token=1e-6)
+    assert ctx.step_s(0, 2, 1000) == pytest.approx(0.012 + 0.001)
+    assert profile.blocks(16) == 1 and profile.blocks(17) == 2
+
+
+def test_one_request_prefills_then_decodes_one_token_per_step(profile):
+    b = Bench(profile)
+    b.at(0.0, 0, 200, 5)
+    b.q.run()
+    assert b.first[0] == pytest.approx(0.21)  # 10 ms + 200 tokens at 1000/s
+    assert b.done[0] == pytest.approx(0.21 + 4 * 0.011)  # 4 more tokens at batch 1
+    assert b.engine.idle and b.engine.kv_used == 0
+
+
+def test_long_prompts_are_prefilled_in_chunks_of_the_token_budget(profile):
+    b = Bench(profile)
+    b.at(0.0, 0, 1000, 1)
+    b.q.run()
+    assert b.first[0] == pytest.approx((0.010 + 0.512) + (0.010 + 0.488))
+    assert b.engine.idle  # a one-token request ends with its prefill (the runner reports it)
+
+
+def test_new_prompt_waits_for_the_step_in_flight_then_shares_the_batch(profile):
+    b = Bench(profile)
+    b.at(0.0, 0, 100, 10)
+    b.at(0.05, 1, 300, 2)
+    b.q.run()
+    assert b.first[0] == pytest.approx(0.11)
+    # Step 2 (from 0.11): A's decode + B's whole prompt = 10 + 1 + 300 ms.
+    assert b.first[1] == pytest.approx(0.11 + 0.311)
+    # Step 3: batch of 2 -> B's second (last) token.
+    assert b.done[1] == pytest.approx(0.421 + 0.012)
+    # A: 9 decode tokens: one in step 2, one in step 3 (batch 2), 7 alone.
+    assert b.done[0] == pytest.approx(0.433 + 7 * 0.011)
+
+
+def test_kv_capacity_holds_a_request_back_until_blocks_free():
+    profile = EngineProfile(PERF, block_size=16, num_kv_blocks=10, max_num_batched_tokens=512)
+    b = Bench(profile)
+    b.at(0.0, 0, 100, 28)  # 128 tokens = 8 blocks
+    b.at(0.0, 1, 40, 8)  # 48 tokens = 3 blocks: 11 > 10, waits for A
+    b.q.run()
+    assert b.first[0] == pytest.approx(0.11)
+    assert b.done[0] == pytest.approx(0.11 + 27 * 0.011)
+    assert b.first[1] == pytest.approx(b.done[0] + 0.010 + 0.040)
+
+
+def test_skipping_decode_steps_gives_the_step_by_step_timeline(profile):
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    rows = [(float(t), int(p), int(o)) for t, p, o in zip(
+        np.cumsum(rng.exponential(0.3, 200)), rng.integers(10, 300, 200), rng.integers(2, 200, 200))]
+    runs = []
+    for skip in (False, True):
+        b = Bench(profile, skip=skip)
+        reqs = [b.at(t, i, p, o) for i, (t, p, o) in enumerate(rows)]
+        b.q.run()
+        runs.append((b, reqs))
+    (slow, _), (fast, _) = runs
+    assert slow.first.keys() == fast.first.keys() and len(slow.done) == 200
+    for i in slow.first:
+        assert fast.first[i] == pytest.approx(slow.first[i], abs=1e-9)
+        assert fast.done[i] == pytest.approx(slow.done[i], abs=1e-9)
+    assert fast.engine.steps == slow.engine.steps
+    assert fast.engine.step_ends == pytest.approx(slow.engine.step_ends, abs=1e-9)
+    assert fast.q.processed < slow.q.processed / 2  # the point of skipping
