@@ -28,3 +28,13 @@ class EngineUnavailableError(PdserveError):
 
 class EngineRequestError(PdserveError):
     """An engine failed while serving one request (actor died, engine raised)."""
+
+
+class OverloadedError(PdserveError):
+    """The scheduler refuses a request: its SLO cannot be met now (HTTP 429 + Retry-After)."""
+
+    def __init__(self, retry_after_s: float, reason: str, predicted_ttft_s: float) -> None:
+        super().__init__(f"overloaded ({reason}); predicted TTFT {predicted_ttft_s:.2f} s")
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+        self.predicted_ttft_s = predicted_ttft_s

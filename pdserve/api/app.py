@@ -65,6 +65,7 @@ def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
         release = admission.admit()
         try:
             prepared = await prepare()
+            serving.start(prepared)  # placement: may refuse with 429 before any byte is sent
         except BaseException:
             release()
             raise

@@ -47,9 +47,12 @@ def model_not_found(model: str) -> OpenAIError:
     )
 
 
-def overloaded(retry_after_s: int) -> OpenAIError:
+def overloaded(retry_after_s: int, detail: str | None = None) -> OpenAIError:
+    message = "The server is at capacity; retry later."
+    if detail:
+        message = f"{message} ({detail})"
     return OpenAIError(
-        "The server is at capacity; retry later.", 429, "rate_limit_exceeded", None,
+        message, 429, "rate_limit_exceeded", None,
         "rate_limit_exceeded", retry_after_s,
     )
 

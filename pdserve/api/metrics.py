@@ -70,6 +70,27 @@ class ServingMetrics:
         self.kv_failures = Counter("pdserve_kv_transfer_failures_total",
                                    "KV pulls that failed or timed out.", ["transport"], registry=r)
         self._kv_seen: dict[str, tuple[int, int]] = {}  # replica -> (bytes, failures) seen
+        self.predicted_ttft = Histogram(
+            "pdserve_predicted_ttft_seconds", "TTFT the scheduler predicted when placing a request "
+            "(compare with pdserve_time_to_first_token_seconds).", ["pool"],
+            buckets=_TTFT_BUCKETS, registry=r)
+        self.predicted_tpot = Histogram(
+            "pdserve_predicted_tpot_seconds", "TPOT the scheduler predicted when placing a request.",
+            ["pool"], buckets=_TPOT_BUCKETS, registry=r)
+        self.slo_observed = Gauge(
+            "pdserve_slo_observed_seconds", "TTFT/TPOT at the SLO percentile over the scheduler's "
+            "window, by the pool that served that phase.", ["pool", "metric"], registry=r)
+        self.slo_attainment = Gauge(
+            "pdserve_slo_attainment_ratio", "Share of the window's requests within the target.",
+            ["pool", "metric"], registry=r)
+        self.pool_replicas = Gauge("pdserve_pool_replicas", "Engines serving in each pool.",
+                                   ["pool"], registry=r)
+        self.pool_replicas_changing = Gauge(
+            "pdserve_pool_replicas_changing", "Engines starting or draining, by pool.",
+            ["pool", "state"], registry=r)
+        self.scaling_decisions = Counter(
+            "pdserve_scaling_decisions_total", "Autoscaler evaluations by pool, direction "
+            "(up/down/none) and reason.", ["pool", "direction", "reason"], registry=r)
         self.engines_up = Gauge("pdserve_engines_healthy", "Engines answering stats calls.",
                                 ["pool"], registry=r)
 
@@ -116,6 +137,15 @@ class ServingMetrics:
         self.kv_failures.labels(s.kv_transport).inc(new_failures)
         for seconds in s.kv_transfer_seconds:
             self.kv_seconds.labels(s.kv_transport).observe(seconds)
+
+    def observe_slo(self, pool: str, summary) -> None:
+        """Gauges from the SLO tracker's window (`pdserve.scheduler.slo.WindowSummary`)."""
+        for metric, value, attained in (("ttft", summary.ttft_p_s, summary.ttft_attainment),
+                                        ("tpot", summary.tpot_p_s, summary.tpot_attainment)):
+            if value is not None:
+                self.slo_observed.labels(pool, metric).set(value)
+            if attained is not None:
+                self.slo_attainment.labels(pool, metric).set(attained)
 
     def register_engines(self, infos: Iterable[EngineInfo]) -> None:
         for info in infos:

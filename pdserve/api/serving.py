@@ -16,11 +16,13 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.api.errors import OpenAIError, bad_request, internal, model_not_found, unavailable
+from pdserve.api.errors import (
+    OpenAIError, bad_request, internal, model_not_found, overloaded, unavailable,
+)
 from pdserve.api.metrics import ServingMetrics
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.engine.types import GenerateDelta, GenerateRequest, SamplingOptions
-from pdserve.errors import EngineRequestError, EngineUnavailableError
+from pdserve.errors import EngineRequestError, EngineUnavailableError, OverloadedError
 from pdserve.serving.backend import EngineBackend
 
 
@@ -46,12 +48,15 @@ class _Timeline:
             self.finish_reason = delta.finish_reason
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PreparedRequest:
     kind: str  # "completion" or "chat"
     engine_request: GenerateRequest
     stream: bool
     include_usage: bool
+    # Set by `OpenAIServing.start`: the placed request's deltas (placement happened already).
+    deltas: AsyncIterator[GenerateDelta] | None = None
+    arrival: float = 0.0
 
 
 class OpenAIServing:
@@ -84,6 +89,17 @@ class OpenAIServing:
         ids = await asyncio.to_thread(self._apply_chat_template, body.template_messages())
         return self._prepare("chat", "chatcmpl", body, ids, body.requested_max_tokens())
 
+    def start(self, prepared: PreparedRequest) -> None:
+        """Place the request with the backend before any response byte is sent, so that a
+        refusal (429 with Retry-After) or an unavailable pool (503) is a proper HTTP status."""
+        prepared.arrival = time.perf_counter()
+        try:
+            prepared.deltas = self._backend.generate(prepared.engine_request)
+        except OverloadedError as e:
+            raise overloaded(max(1, round(e.retry_after_s)), str(e)) from e
+        except EngineUnavailableError as e:
+            raise unavailable(str(e)) from e
+
     async def complete(self, prepared: PreparedRequest) -> dict[str, Any]:
         """Run to the end and build the non-streaming response body."""
         text, finish, last = [], None, None
@@ -113,11 +129,13 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     async def _run(self, prepared: PreparedRequest) -> AsyncIterator[GenerateDelta]:
-        timeline = _Timeline(arrival=time.perf_counter())
+        timeline = _Timeline(arrival=prepared.arrival or time.perf_counter())
         request = prepared.engine_request
         timeline.prompt_tokens = len(request.prompt_token_ids)
+        stream = prepared.deltas or self._backend.generate(request)
+        prepared.deltas = None
         try:
-            async with aclosing(self._backend.generate(request)) as deltas:
+            async with aclosing(stream) as deltas:
                 async for delta in deltas:
                     timeline.record(delta)
                     yield delta

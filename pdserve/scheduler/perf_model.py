@@ -130,14 +130,14 @@ class LineFit:
     """Exponentially weighted least squares of y = a + b x.
 
     Old observations fade with `decay` per new one (0.98: the last ~50 dominate). A prior of
-    `prior_weight` pseudo-observations on the seed line keeps early estimates sane and lets the
+    `prior_weight` pseudo-observation on the seed line keeps early estimates sane and lets the
     fit fall back to the seed where data never varies in x.
     """
 
     intercept: float
     slope: float
     decay: float = 0.98
-    prior_weight: float = 4.0
+    prior_weight: float = 1.0
     _w: float = 0.0
     _sx: float = 0.0
     _sy: float = 0.0

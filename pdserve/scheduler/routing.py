@@ -136,8 +136,9 @@ def place(
         # Blocks free up as running requests finish: about one request's decode time.
         return Rejection(_retry_after(decode_model.decode_step_time(1) * request.max_tokens),
                          "kv_capacity")
-    best_decode = min(roomy, key=lambda d: (predicted_tpot(d, decode_model), -d.kv_free_blocks,
-                                            d.replica_id))
+    # Ties (e.g. a flat decode cost) go to the smaller batch, then to more free KV.
+    best_decode = min(roomy, key=lambda d: (predicted_tpot(d, decode_model), d.num_decoding,
+                                            -d.kv_free_blocks, d.replica_id))
     tpot = predicted_tpot(best_decode, decode_model)
 
     options: list[Placement] = []
@@ -153,7 +154,8 @@ def place(
     local = [d for d in roomy if request.uncached(d.replica_id) <= limit]
     if local:
         best_local = min(local, key=lambda d: (predicted_ttft(d, request, decode_model),
-                                               predicted_tpot(d, decode_model), d.replica_id))
+                                               predicted_tpot(d, decode_model), d.num_decoding,
+                                               d.replica_id))
         cached = request.cached_tokens.get(best_local.replica_id, 0)
         reason = "local_cached" if cached > request.prompt_tokens // 2 else "local_short_prompt"
         ttft = predicted_ttft(best_local, request, decode_model)
@@ -187,7 +189,7 @@ def place_colocated(
         return Rejection(_retry_after(model.decode_step_time(1) * request.max_tokens),
                          "kv_capacity")
     best = min(roomy, key=lambda e: (predicted_ttft(e, request, model), predicted_tpot(e, model),
-                                     -e.kv_free_blocks, e.replica_id))
+                                     e.num_decoding, -e.kv_free_blocks, e.replica_id))
     chosen = Placement(best.replica_id, None, predicted_ttft(best, request, model),
                        predicted_tpot(best, model), "colocated")
     return _admit(chosen, slo, policy)

@@ -14,19 +14,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from pdserve.api.metrics import ServingMetrics
+from pdserve.autoscaler.controller import Autoscaler, scaling_policy_from_config
+from pdserve.autoscaler.policy import PoolBounds, ScalingDecision
 from pdserve.config.schema import PdserveConfig, PoolRole, ServingMode
 from pdserve.engine.actor import EngineActor, EngineSpec
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
-from pdserve.errors import EngineRequestError, EngineStartError, EngineUnavailableError
+from pdserve.errors import (
+    EngineRequestError, EngineStartError, EngineUnavailableError, OverloadedError,
+)
 from pdserve.models.embedded import ResolvedModel
-from pdserve.scheduler.routing import ReplicaLoad, pick_least_loaded
+from pdserve.scheduler.perf_model import PerfModel
+from pdserve.scheduler.routing import Placement, Rejection, RoutingPolicy, SloTargets
+from pdserve.scheduler.scheduler import GlobalScheduler
 from pdserve.serving.disaggregated import generate_disaggregated
 
 logger = logging.getLogger(__name__)
@@ -44,6 +53,7 @@ class Replica:
     in_flight: int = 0
     stats: EngineStats | None = None
     healthy: bool = True
+    draining: bool = False
 
 
 @dataclass(slots=True)
@@ -73,18 +83,43 @@ def actor_options(config: PdserveConfig, role: PoolRole, replica_id: str) -> dic
 
 
 class RayBackend:
-    def __init__(self, pools: dict[PoolRole, EnginePool], config: PdserveConfig) -> None:
+    """Routes requests over the engine pools with the global scheduler; scales the pools."""
+
+    def __init__(self, pools: dict[PoolRole, EnginePool], config: PdserveConfig,
+                 model: ResolvedModel, metrics: ServingMetrics | None = None) -> None:
         self._pools = pools
         self._config = config
+        self._model = model
+        self._metrics = metrics
         self._disaggregated = config.mode is ServingMode.DISAGGREGATED
         self._serving_pool = PoolRole.DECODE if self._disaggregated else PoolRole.COLOCATED
         first = next(r for p in pools.values() for r in p.replicas)
         assert first.info is not None
         self._info = first.info
+        self._next_index = {role: len(pool.replicas) for role, pool in pools.items()}
+        self.scheduler = build_scheduler(config, [r.value for r in pools], first.info)
+        for pool in pools.values():
+            for replica in pool.replicas:
+                self._register(replica)
+        self.autoscaler: Autoscaler | None = None
+        self._scaler_task: asyncio.Task[None] | None = None
+        self._scaling_tasks: set[asyncio.Task[None]] = set()
+        if config.autoscale.enabled:
+            slo = config.slo
+            self.autoscaler = Autoscaler(
+                {role.value: PoolBounds(config.autoscale.bounds(role).min_replicas,
+                                        config.autoscale.bounds(role).max_replicas)
+                 for role in pools},
+                slo.ttft_ms / 1000, slo.tpot_ms / 1000,
+                scaling_policy_from_config(config.autoscale))
 
     @classmethod
-    async def launch(cls, config: PdserveConfig, model: ResolvedModel) -> RayBackend:
+    async def launch(cls, config: PdserveConfig, model: ResolvedModel,
+                     metrics: ServingMetrics | None = None) -> RayBackend:
         config = with_cluster_token(config)
+        if config.autoscale.enabled and config.autoscale.request_resources:
+            _request_resources(config, {r: config.pools.for_role(r).replicas
+                                        for r in config.active_roles()})
         pools = {role: _create_pool(config, model, role) for role in config.active_roles()}
         replicas = [r for p in pools.values() for r in p.replicas]
         try:
@@ -94,7 +129,11 @@ class RayBackend:
             raise
         for replica, info in zip(replicas, infos, strict=True):
             replica.info = info
-        return cls(pools, config)
+        backend = cls(pools, config, model, metrics)
+        if backend.autoscaler is not None:
+            backend._scaler_task = asyncio.get_running_loop().create_task(backend._scale_loop())
+        backend._publish_pool_sizes()
+        return backend
 
     @property
     def info(self) -> EngineInfo:
@@ -111,25 +150,130 @@ class RayBackend:
     def serving_pool(self) -> str:
         return self._serving_pool.value
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        if not self._disaggregated:
-            return self._stream(PoolRole.COLOCATED, request)
-        return generate_disaggregated(
-            request,
-            prefill=lambda r: self._stream(PoolRole.PREFILL, r),
-            decode=lambda r: self._stream(PoolRole.DECODE, r),
-            failure_policy=self._config.kv.failure_policy,
-        )
+    def replicas(self, role: PoolRole) -> list[Replica]:
+        return list(self._pools[role].replicas)
 
-    async def _stream(self, role: PoolRole, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        """Stream one request from one engine of `role`'s pool; abort it there if unfinished."""
-        replica = self._route(self._pools[role])
+    # --- request path -----------------------------------------------------------------------
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        """Place the request now (raising `OverloadedError` / `EngineUnavailableError` before
+        any response starts), then stream it from the chosen engines."""
+        placement = self.scheduler.route(request.prompt_token_ids, request.sampling.max_tokens)
+        if isinstance(placement, Rejection):
+            if placement.reason == "no_engine":
+                raise EngineUnavailableError(f"no engine can take requests in pool "
+                                             f"{self._serving_pool.value!r}")
+            raise OverloadedError(placement.retry_after_s, placement.reason,
+                                  placement.predicted_ttft_s)
+        logger.debug("placed %s: %s", request.request_id, placement)
+        return self._generate(request, placement)
+
+    async def _generate(self, request: GenerateRequest,
+                        placement: Placement) -> AsyncIterator[GenerateDelta]:
+        decode = self._replica(self._serving_pool, placement.decode)
+        prefill = (self._replica(PoolRole.PREFILL, placement.prefill)
+                   if placement.prefill is not None else None)
+        ttft_pool = prefill.pool.value if prefill is not None else decode.pool.value
+        if self._metrics is not None:
+            self._metrics.predicted_ttft.labels(ttft_pool).observe(placement.predicted_ttft_s)
+            self._metrics.predicted_tpot.labels(decode.pool.value).observe(
+                placement.predicted_tpot_s)
+        if prefill is None:
+            deltas = self._stream(decode, request, "full")
+        else:
+            deltas = self._disaggregated_stream(request, prefill, decode)
+        started = time.monotonic()
+        first = last = None
+        tokens = 0
+        try:
+            async with aclosing(deltas) as stream:
+                async for delta in stream:
+                    if delta.token_ids:
+                        last = time.monotonic()
+                        first = first or last
+                        tokens += len(delta.token_ids)
+                    yield delta
+        finally:
+            now = time.monotonic()
+            ttft = first - started if first is not None else None
+            tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
+            self.scheduler.request_finished(ttft_pool, decode.pool.value, now, ttft, tpot)
+
+    async def _disaggregated_stream(self, request: GenerateRequest, prefill: Replica,
+                                    decode: Replica) -> AsyncIterator[GenerateDelta]:
+        # The prefill engine holds this request's KV until the decode engine has pulled it:
+        # the scheduler counts it as a pin, so a draining prefill engine waits for it.
+        pinned = request.sampling.max_tokens > 1
+        if pinned:
+            self.scheduler.pin(prefill.pool.value, prefill.replica_id)
+
+        def release() -> None:
+            nonlocal pinned
+            if pinned:
+                pinned = False
+                self.scheduler.unpin(prefill.pool.value, prefill.replica_id)
+
+        async def prefill_leg(r: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+            last = None
+            try:
+                async for last in self._stream(prefill, r, "prefill"):
+                    yield last
+            finally:
+                if last is None or last.finish_reason != "length":
+                    release()  # failed, aborted or stopped: there is nothing to pull
+
+        async def decode_leg(r: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+            kind = "decode" if _remote_prefill(r) else "full"
+            async for delta in self._stream(decode, r, kind):
+                release()  # the decode engine has pulled the KV (or recomputed the prompt)
+                yield delta
+
+        try:
+            async with aclosing(generate_disaggregated(
+                    request, prefill=prefill_leg, decode=decode_leg,
+                    failure_policy=self._config.kv.failure_policy)) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            release()
+
+    async def _stream(self, replica: Replica, request: GenerateRequest,
+                      kind: str) -> AsyncIterator[GenerateDelta]:
+        """Stream one leg from one engine; keep the scheduler's books; abort if unfinished.
+
+        kind: "full" (prefill + decode on this engine), "prefill" (first token only),
+        "decode" (a decode leg whose KV is pulled from a prefill engine).
+        """
+        sched, pool = self.scheduler, replica.pool.value
+        ticket = None
+        decoding = False
+        if kind in ("full", "prefill"):
+            uncached = max(len(request.prompt_token_ids)
+                           - sched.cached_tokens(replica.replica_id, request.prompt_token_ids), 1)
+            ticket = sched.prefill_started(pool, replica.replica_id, uncached, time.monotonic())
+        else:
+            sched.decode_started(pool, replica.replica_id)
+            decoding = True
+        started = previous = time.monotonic()
         replica.in_flight += 1
         finished = False
         try:
             stream = replica.actor.generate.options(num_returns="streaming").remote(request)
             async for ref in stream:
                 delta: GenerateDelta = await ref
+                now = time.monotonic()
+                if ticket is not None and not ticket.done:
+                    sched.first_token(ticket, now)
+                    sched.remember_prefix(replica.replica_id, request.prompt_token_ids)
+                    if kind == "full" and not delta.finished:
+                        sched.decode_started(pool, replica.replica_id)
+                        decoding = True
+                elif kind == "decode" and previous == started:
+                    # A decode leg's first token comes after the pull and one step.
+                    sched.transfer_observed(len(request.prompt_token_ids), now - started)
+                elif delta.token_ids:
+                    sched.token_gap(pool, replica.replica_id, now - previous, len(delta.token_ids))
+                previous = now
                 finished = delta.finished
                 yield delta
                 if finished:
@@ -137,16 +281,36 @@ class RayBackend:
             raise EngineRequestError(f"engine {replica.replica_id} ended a stream unfinished")
         except RayActorError as e:
             replica.healthy = False
+            sched.update_engine(pool, replica.replica_id, healthy=False)
             raise EngineRequestError(f"engine {replica.replica_id} died: {e}") from e
         except RayTaskError as e:
             raise EngineRequestError(f"engine {replica.replica_id} failed: {e.cause!r}") from e
         finally:
             replica.in_flight -= 1
+            if ticket is not None:
+                sched.first_token(ticket, time.monotonic(), observe=False)
+            if decoding:
+                sched.decode_finished(pool, replica.replica_id)
             if not finished:
                 _abort_quietly(replica, request.request_id)
 
+    def _replica(self, role: PoolRole, replica_id: str) -> Replica:
+        for replica in self._pools[role].replicas:
+            if replica.replica_id == replica_id:
+                return replica
+        raise EngineUnavailableError(f"engine {replica_id} is gone")
+
+    def _register(self, replica: Replica, ready: bool = True) -> None:
+        info = replica.info
+        self.scheduler.add_engine(
+            replica.pool.value, replica.replica_id,
+            info.block_size if info else self._info.block_size,
+            info.num_kv_blocks if info else self._info.num_kv_blocks, ready=ready)
+
+    # --- stats ------------------------------------------------------------------------------
+
     async def refresh_stats(self) -> list[EngineStats]:
-        replicas = [r for p in self._pools.values() for r in p.replicas]
+        replicas = [r for p in self._pools.values() for r in p.replicas if r.info is not None]
         results = await asyncio.gather(
             *(_fetch_stats(r) for r in replicas), return_exceptions=True
         )
@@ -156,29 +320,177 @@ class RayBackend:
             if replica.healthy:
                 replica.stats = result
                 stats.append(result)
+                self.scheduler.update_engine(replica.pool.value, replica.replica_id,
+                                             kv_usage=result.kv_cache_usage, healthy=True)
             else:
+                self.scheduler.update_engine(replica.pool.value, replica.replica_id,
+                                             healthy=False)
                 logger.warning("engine %s did not answer stats: %r", replica.replica_id, result)
+        self._publish_pool_sizes()
         return stats
 
     def healthy(self) -> bool:
-        return all(any(r.healthy for r in p.replicas) for p in self._pools.values())
+        return all(any(r.healthy and r.info is not None for r in p.replicas)
+                   for p in self._pools.values())
 
     async def shutdown(self) -> None:
+        if self._scaler_task is not None:
+            self._scaler_task.cancel()
+            await asyncio.gather(self._scaler_task, return_exceptions=True)
+        for task in list(self._scaling_tasks):
+            task.cancel()
+        await asyncio.gather(*self._scaling_tasks, return_exceptions=True)
         await _kill_all([r for p in self._pools.values() for r in p.replicas])
 
-    def _route(self, pool: EnginePool) -> Replica:
-        loads = [
-            ReplicaLoad(
-                replica_id=r.replica_id, in_flight=r.in_flight,
-                num_waiting=r.stats.num_waiting if r.stats else 0,
-                kv_cache_usage=r.stats.kv_cache_usage if r.stats else 0.0, healthy=r.healthy,
-            )
-            for r in pool.replicas
-        ]
-        chosen = pick_least_loaded(loads)
-        if chosen is None:
-            raise EngineUnavailableError(f"no healthy engine in pool {pool.role.value!r}")
-        return next(r for r in pool.replicas if r.replica_id == chosen)
+    # --- scaling (the actuator) -------------------------------------------------------------
+
+    async def _scale_loop(self) -> None:
+        assert self.autoscaler is not None
+        interval = self._config.autoscale.interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                for decision in self.autoscaler.evaluate(self.scheduler, time.monotonic()):
+                    self._record_decision(decision)
+                    if decision.delta:
+                        await self.scale_to(PoolRole(decision.pool), decision.target,
+                                            decision.reason)
+            except Exception:
+                logger.exception("autoscaling step failed")
+
+    def _record_decision(self, decision: ScalingDecision) -> None:
+        if self._metrics is not None:
+            self._metrics.scaling_decisions.labels(decision.pool, decision.direction,
+                                                   decision.reason).inc()
+        if decision.delta:
+            logger.info("scaling %s %s: %d -> %d (%s: %s)", decision.pool, decision.direction,
+                        decision.current, decision.target, decision.reason, decision.detail)
+
+    async def scale_to(self, role: PoolRole, target: int, reason: str = "manual") -> None:
+        """Start or drain engines so that `role`'s pool heads for `target` serving engines.
+
+        Adds run in the background (an engine takes up to minutes to start); a drain picks
+        the engine with the least outstanding work, stops routing to it, and stops it once its
+        requests are done and no decode engine still has to pull its KV.
+        """
+        pool = self._pools[role]
+        serving = [r for r in pool.replicas if not r.draining]
+        if self._config.autoscale.request_resources:
+            wanted = {r: len([x for x in self._pools[r].replicas if not x.draining])
+                      for r in self._pools}
+            wanted[role] = target
+            _request_resources(self._config, wanted)
+        for _ in range(target - len(serving)):
+            self._spawn(self._add_replica(role))
+        if target < len(serving):
+            candidates = sorted(
+                (r for r in serving if r.info is not None),
+                key=lambda r: (self.scheduler.engine(role.value, r.replica_id).idle is False,
+                               r.in_flight, r.replica_id),
+                reverse=False)
+            for replica in candidates[: len(serving) - target]:
+                self._spawn(self._drain_replica(replica))
+        self._publish_pool_sizes()
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._scaling_tasks.add(task)
+        task.add_done_callback(self._scaling_tasks.discard)
+
+    async def _add_replica(self, role: PoolRole) -> None:
+        index = self._next_index[role]
+        self._next_index[role] += 1
+        replica_id = f"{role.value}-{index}"
+        spec = EngineSpec(replica_id, role.value, self._model.path, self._model.served_name,
+                          self._config)
+        actor = ray.remote(EngineActor).options(
+            **actor_options(self._config, role, replica_id)).remote(spec)
+        replica = Replica(replica_id, role, actor)
+        self._pools[role].replicas.append(replica)
+        self._register(replica, ready=False)
+        self._publish_pool_sizes()
+        try:
+            replica.info = (await _start_all([replica], self._config.engine.start_timeout_s))[0]
+        except BaseException as e:
+            logger.error("engine %s did not start: %r", replica_id, e)
+            self._pools[role].replicas.remove(replica)
+            self.scheduler.remove_engine(role.value, replica_id)
+            await _kill_all([replica])
+            self._publish_pool_sizes()
+            if not isinstance(e, Exception):
+                raise
+            return
+        self._register(replica, ready=True)
+        logger.info("engine %s is serving", replica_id)
+        self._publish_pool_sizes()
+
+    async def _drain_replica(self, replica: Replica) -> None:
+        role, sched = replica.pool, self.scheduler
+        replica.draining = True
+        state = sched.engine(role.value, replica.replica_id)
+        state.draining = True
+        self._publish_pool_sizes()
+        deadline = time.monotonic() + self._config.autoscale.drain_timeout_s
+        while replica.in_flight or not state.idle:
+            if time.monotonic() > deadline:
+                logger.warning("engine %s still busy after the drain timeout; stopping it",
+                               replica.replica_id)
+                break
+            await asyncio.sleep(0.1)
+        self._pools[role].replicas.remove(replica)
+        sched.remove_engine(role.value, replica.replica_id)
+        await _kill_all([replica])
+        logger.info("engine %s drained and stopped", replica.replica_id)
+        self._publish_pool_sizes()
+
+    def _publish_pool_sizes(self) -> None:
+        if self._metrics is None:
+            return
+        for role, pool in self._pools.items():
+            ready = sum(1 for r in pool.replicas if r.info is not None and not r.draining)
+            starting = sum(1 for r in pool.replicas if r.info is None)
+            draining = sum(1 for r in pool.replicas if r.draining)
+            self._metrics.pool_replicas.labels(role.value).set(ready)
+            self._metrics.pool_replicas_changing.labels(role.value, "starting").set(starting)
+            self._metrics.pool_replicas_changing.labels(role.value, "draining").set(draining)
+        if self.scheduler.slo is not None:
+            now = time.monotonic()
+            for role in self._pools:
+                summary = self.scheduler.tracker.summary(
+                    role.value, now, self.scheduler.slo.percentile, self.scheduler.slo.ttft_s,
+                    self.scheduler.slo.tpot_s)
+                self._metrics.observe_slo(role.value, summary)
+
+
+def _remote_prefill(request: GenerateRequest) -> bool:
+    return bool((request.kv_transfer_params or {}).get("do_remote_prefill"))
+
+
+def build_scheduler(config: PdserveConfig, pools: list[str], info: EngineInfo) -> GlobalScheduler:
+    slo = None
+    if config.slo.defined:
+        slo = SloTargets(config.slo.ttft_ms / 1000, config.slo.tpot_ms / 1000,
+                         config.slo.percentile)
+    policy = RoutingPolicy(local_prefill_max_tokens=config.scheduler.local_prefill_max_tokens,
+                           admit_ttft_factor=config.scheduler.admit_ttft_factor)
+    return GlobalScheduler(pools, seed_model(config), slo, policy, config.scheduler.window_s,
+                           config.scheduler.prefix_aware, max(info.block_size, 1))
+
+
+def seed_model(config: PdserveConfig) -> PerfModel:
+    """The performance model to start from: a profile, the mock's settings, or a guess."""
+    if config.scheduler.profile is not None:
+        return PerfModel.load(config.scheduler.profile)
+    if config.engine.kind == "mock":
+        m = config.engine.mock
+        return PerfModel(prefill_tokens_per_s=m.prefill_tokens_per_s, decode_step_s=m.decode_step_s,
+                         decode_step_per_seq_s=m.decode_step_per_seq_s,
+                         kv_bytes_per_token=m.kv_bytes_per_token,
+                         transfer_bytes_per_s=m.transfer_bytes_per_s)
+    # No profile: a deliberately modest guess; the online fit replaces it within a few dozen
+    # requests.
+    return PerfModel(prefill_tokens_per_s=2000.0, decode_step_s=0.02, decode_step_per_seq_s=1e-4,
+                     prefill_overhead_s=0.01, transfer_bytes_per_s=1e9)
 
 
 def with_cluster_token(config: PdserveConfig) -> PdserveConfig:
@@ -211,6 +523,27 @@ async def _start_all(replicas: list[Replica], timeout_s: float) -> list[EngineIn
         ) from None
     except (RayActorError, RayTaskError) as e:
         raise EngineStartError(f"an engine failed to start: {e}") from e
+
+
+def _request_resources(config: PdserveConfig, wanted: dict[PoolRole, int]) -> None:
+    """Tell the Ray autoscaler the engines the pools want, so it brings up nodes for them.
+
+    The request is the whole target (it replaces the previous one), so it shrinks again on a
+    scale-down and idle nodes can go. Without an autoscaler (a fixed cluster) it is a no-op.
+    """
+    from ray.autoscaler.sdk import request_resources
+
+    bundles = []
+    for role, count in wanted.items():
+        opts = actor_options(config, role, "")
+        bundle = {"CPU": opts["num_cpus"], **opts["resources"]}
+        if opts["num_gpus"]:
+            bundle["GPU"] = opts["num_gpus"]
+        bundles.extend({k: v for k, v in bundle.items() if v} for _ in range(count))
+    try:
+        request_resources(bundles=[b for b in bundles if b])
+    except Exception as e:  # noqa: BLE001 - scaling still proceeds on the nodes that exist
+        logger.warning("could not request resources from the Ray autoscaler: %r", e)
 
 
 async def _fetch_stats(replica: Replica) -> EngineStats:

@@ -38,9 +38,13 @@ def complete(server, max_tokens=4, **extra):
 
 
 def engine_pids(server) -> list[int]:
-    """PIDs of the server's engine actor processes (Ray names them after the actor class)."""
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if any("EngineActor" in part for part in (p.info["cmdline"] or []))]
+    """PIDs of this server's engine actor processes, from its `pdserve_engine_info` series
+    (other Ray clusters may run on the same machine)."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    pids = [int(line.split('pid="')[1].split('"')[0]) for line in text.splitlines()
+            if line.startswith("pdserve_engine_info{")]
+    assert all(psutil.pid_exists(pid) for pid in pids), pids
+    return pids
 
 
 def test_requests_are_spread_over_both_replicas(server):

@@ -1,24 +1,122 @@
+"""The pure routing policy: placement by predicted TTFT and decode headroom, conditional
+disaggregation, admission."""
+
 import pytest
 
-from pdserve.scheduler.routing import ReplicaLoad, pick_least_loaded
+from pdserve.scheduler.perf_model import PerfModel
+from pdserve.scheduler.routing import (
+    EngineLoad, Placement, Rejection, ReplicaLoad, RouteRequest, RoutingPolicy, SloTargets,
+    local_prefill_limit, pick_least_loaded, place, place_colocated, predicted_ttft,
+)
 
 pytestmark = pytest.mark.unit
 
+# 1000 prompt tokens/s, 10 ms + 1 ms per running request per decode step, 1 GB/s KV pulls of
+# 1 KB per token (1 us per token), no fixed costs: easy numbers to check by hand.
+MODEL = PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.010, decode_step_per_seq_s=0.001,
+                  kv_bytes_per_token=1000, transfer_bytes_per_s=1e9)
+SLO = SloTargets(ttft_s=1.0, tpot_s=0.020)
 
-def test_picks_fewest_outstanding_requests():
+
+def test_prefill_goes_to_the_engine_with_the_lowest_predicted_ttft():
+    prefill = [EngineLoad("p0", queued_prefill_tokens=900), EngineLoad("p1", queued_prefill_tokens=300),
+               EngineLoad("p2", queued_prefill_tokens=600)]
+    decode = [EngineLoad("d0")]
+    placed = place(RouteRequest(200, 10), prefill, decode, MODEL, MODEL)
+    assert isinstance(placed, Placement) and placed.prefill == "p1" and placed.reason == "remote"
+    # (300 queued + 200 own) / 1000 tok/s + 200 tokens x 1 us of transfer
+    assert placed.predicted_ttft_s == pytest.approx(0.5 + 0.0002)
+
+
+def test_prefix_cache_hits_lower_the_predicted_ttft():
+    prefill = [EngineLoad("p0", queued_prefill_tokens=100), EngineLoad("p1", queued_prefill_tokens=300)]
+    # p1 holds 900 of the 1000 prompt tokens: 300 + 100 beats 100 + 1000.
+    request = RouteRequest(1000, 10, cached_tokens={"p1": 900})
+    assert predicted_ttft(prefill[1], request, MODEL) == pytest.approx(0.4)
+    placed = place(request, prefill, [EngineLoad("d0")], MODEL, MODEL)
+    assert placed.prefill == "p1"
+
+
+def test_decode_goes_where_the_batch_is_smaller_and_kv_fits():
+    decode = [EngineLoad("d0", num_decoding=30), EngineLoad("d1", num_decoding=5, kv_free_blocks=3),
+              EngineLoad("d2", num_decoding=12)]
+    placed = place(RouteRequest(100, 100), [EngineLoad("p0")], decode, MODEL, MODEL)
+    # d1 would be the fastest but needs ceil(200 / 16) = 13 free blocks and has 3.
+    assert placed.decode == "d2"
+    assert placed.predicted_tpot_s == pytest.approx(0.010 + 0.001 * 13)
+
+
+def test_unhealthy_and_draining_engines_get_nothing():
+    prefill = [EngineLoad("p0", healthy=False), EngineLoad("p1", queued_prefill_tokens=5000),
+               EngineLoad("p2", accepting=False)]
+    decode = [EngineLoad("d0", accepting=False), EngineLoad("d1", num_decoding=50)]
+    placed = place(RouteRequest(10, 10), prefill, decode, MODEL, MODEL)
+    assert (placed.prefill, placed.decode) == ("p1", "d1")
+    assert isinstance(place(RouteRequest(10, 10), prefill, [EngineLoad("d", healthy=False)],
+                            MODEL, MODEL), Rejection)
+
+
+def test_short_prompts_are_prefilled_on_the_decode_engine_when_that_is_faster():
+    prefill = [EngineLoad("p0", queued_prefill_tokens=2000)]
+    decode = [EngineLoad("d0")]
+    # Model-derived limit: one TPOT (20 ms) of stall at 1000 tok/s = 20 tokens.
+    assert local_prefill_limit(RoutingPolicy(), MODEL, SLO) == 20
+    short = place(RouteRequest(15, 50), prefill, decode, MODEL, MODEL, SLO)
+    assert short.local and short.decode == "d0" and short.reason == "local_short_prompt"
+    long = place(RouteRequest(500, 50), prefill, decode, MODEL, MODEL, SLO)
+    assert long.prefill == "p0"
+    # A configured threshold wins; 0 disables local prefill.
+    never = place(RouteRequest(15, 50), prefill, decode, MODEL, MODEL, SLO,
+                  RoutingPolicy(local_prefill_max_tokens=0))
+    assert never.prefill == "p0"
+
+
+def test_prompts_mostly_cached_on_the_decode_engine_stay_there():
+    request = RouteRequest(1000, 50, cached_tokens={"d0": 990})
+    placed = place(request, [EngineLoad("p0")], [EngineLoad("d0")], MODEL, MODEL, SLO)
+    assert placed.local and placed.reason == "local_cached"
+    assert placed.predicted_ttft_s == pytest.approx(0.010)
+
+
+def test_local_prefill_is_not_chosen_when_remote_predicts_a_lower_ttft():
+    decode = [EngineLoad("d0", queued_prefill_tokens=500)]
+    placed = place(RouteRequest(15, 50), [EngineLoad("p0")], decode, MODEL, MODEL, SLO)
+    assert placed.prefill == "p0"
+
+
+def test_admission_refuses_when_the_ttft_slo_cannot_be_met():
+    prefill = [EngineLoad("p0", queued_prefill_tokens=10_000)]
+    slo = SloTargets(ttft_s=1.0, tpot_s=0.05)
+    refused = place(RouteRequest(1000, 10), prefill, [EngineLoad("d0")], MODEL, MODEL, slo,
+                    RoutingPolicy(admit_ttft_factor=4.0))
+    assert isinstance(refused, Rejection) and refused.reason == "ttft_slo"
+    # 11 s predicted vs 4 s allowed: retry in about 7 s.
+    assert refused.retry_after_s == pytest.approx(11.001 - 4.0, rel=1e-3)
+    # Without an SLO nothing is refused, however long the queue.
+    assert isinstance(place(RouteRequest(1000, 10), prefill, [EngineLoad("d0")], MODEL, MODEL),
+                      Placement)
+
+
+def test_admission_refuses_when_no_decode_engine_has_room_for_the_kv():
+    decode = [EngineLoad("d0", kv_free_blocks=10, block_size=16)]
+    refused = place(RouteRequest(1000, 100), [EngineLoad("p0")], decode, MODEL, MODEL, SLO)
+    assert isinstance(refused, Rejection) and refused.reason == "kv_capacity"
+
+
+def test_colocated_placement_balances_ttft_then_batch():
+    engines = [EngineLoad("c0", queued_prefill_tokens=100), EngineLoad("c1", num_decoding=3),
+               EngineLoad("c2", num_decoding=1)]
+    placed = place_colocated(RouteRequest(10, 10), engines, MODEL)
+    assert placed.decode == "c2" and placed.prefill is None
+    # A flat decode cost still spreads requests: ties go to the smaller batch.
+    flat = PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01)
+    tied = [EngineLoad("c0", num_decoding=1), EngineLoad("c1", num_decoding=0)]
+    assert place_colocated(RouteRequest(10, 10), tied, flat).decode == "c1"
+
+
+def test_least_loaded_fallback():
     loads = [ReplicaLoad("a", in_flight=3), ReplicaLoad("b", in_flight=1, num_waiting=1),
              ReplicaLoad("c", in_flight=4)]
-    assert pick_least_loaded(loads) == "b"
-
-
-def test_ties_break_on_kv_usage_then_id():
-    loads = [ReplicaLoad("b", 1, kv_cache_usage=0.5), ReplicaLoad("a", 1, kv_cache_usage=0.5),
-             ReplicaLoad("c", 1, kv_cache_usage=0.9)]
-    assert pick_least_loaded(loads) == "a"
-
-
-def test_skips_unhealthy_and_reports_none_when_all_are_down():
-    loads = [ReplicaLoad("a", 0, healthy=False), ReplicaLoad("b", 9)]
     assert pick_least_loaded(loads) == "b"
     assert pick_least_loaded([ReplicaLoad("a", 0, healthy=False)]) is None
     assert pick_least_loaded([]) is None

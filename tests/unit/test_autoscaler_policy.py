@@ -1,0 +1,152 @@
+"""The pure per-pool scaling policy, and the Autoscaler over a GlobalScheduler fed scripted
+request timings (no Ray, no clocks)."""
+
+import pytest
+
+from pdserve.autoscaler.controller import Autoscaler
+from pdserve.autoscaler.policy import (
+    PoolBounds, PoolSignals, ScalingPolicy, ScalingState, decide,
+)
+from pdserve.scheduler.perf_model import PerfModel
+from pdserve.scheduler.routing import SloTargets
+from pdserve.scheduler.scheduler import GlobalScheduler
+
+pytestmark = pytest.mark.unit
+
+TTFT, TPOT = 0.5, 0.05
+POLICY = ScalingPolicy(upscale_intervals=2, downscale_intervals=3, upscale_cooldown_s=10,
+                       downscale_cooldown_s=30)
+BOUNDS = PoolBounds(1, 4)
+
+
+def run(signals_seq, bounds=BOUNDS, policy=POLICY, step_s=5.0, state=ScalingState()):
+    """Feed one signal per interval; apply each decision to the replica count."""
+    replicas = signals_seq[0].replicas
+    out = []
+    for i, s in enumerate(signals_seq):
+        s = PoolSignals(**{**{f: getattr(s, f) for f in s.__dataclass_fields__}, "replicas": replicas})
+        decision, state = decide(s, state, bounds, TTFT, TPOT, now=i * step_s, policy=policy)
+        replicas = decision.target
+        out.append(decision)
+    return out
+
+
+def test_ttft_breach_scales_prefill_after_it_persists():
+    hot = PoolSignals("prefill", replicas=1, samples=50, ttft_s=1.2, prefill_utilization=0.9)
+    first, second = run([hot, hot])
+    assert first.direction == "none" and first.reason == "pending"
+    assert second.direction == "up" and second.reason in ("ttft_breach", "prefill_load")
+    # Load 1.2 / 0.5 x 0.8 = 1.92 engines' worth at 80% each: 3 engines.
+    assert second.target == 3
+
+
+def test_tpot_pressure_never_moves_the_prefill_pool_and_vice_versa():
+    slow_decode = PoolSignals("prefill", replicas=2, samples=50, ttft_s=0.1, tpot_s=0.5,
+                              kv_usage=0.99, decode_utilization=3.0)
+    assert all(d.direction != "up" for d in run([slow_decode] * 5))
+    slow_prefill = PoolSignals("decode", replicas=2, samples=50, ttft_s=5.0, tpot_s=0.01,
+                               prefill_utilization=5.0)
+    assert all(d.direction != "up" for d in run([slow_prefill] * 5))
+
+
+def test_tpot_breach_and_kv_pressure_scale_decode():
+    tpot = PoolSignals("decode", replicas=1, samples=50, tpot_s=0.08, decode_utilization=0.7)
+    assert run([tpot, tpot])[-1].reason == "tpot_breach"
+    kv = PoolSignals("decode", replicas=2, samples=0, kv_usage=0.95)
+    decisions = run([kv, kv])
+    assert decisions[-1].direction == "up" and decisions[-1].reason == "kv_pressure"
+
+
+def test_idle_pools_shrink_one_engine_at_a_time_down_to_min():
+    idle = PoolSignals("decode", replicas=3, samples=20, tpot_s=0.01, kv_usage=0.05,
+                       decode_utilization=0.05)
+    decisions = run([idle] * 40)
+    downs = [(i, d.target) for i, d in enumerate(decisions) if d.direction == "down"]
+    # Three quiet intervals, then one engine; then the 30 s cooldown (6 intervals) between steps.
+    assert downs[0] == (2, 2)
+    assert downs[1][1] == 1 and downs[1][0] - downs[0][0] >= 6
+    assert len(downs) == 2 and decisions[-1].target == 1
+
+
+def test_steady_load_does_not_oscillate():
+    # 60% load: above the 50% low-water mark with one engine fewer, below the 80% target.
+    steady = PoolSignals("prefill", replicas=3, samples=100, ttft_s=0.35, prefill_utilization=0.6)
+    decisions = run([steady] * 100)
+    assert {d.direction for d in decisions} == {"none"}
+    # A load that alternates around the target does not flap either: a breach must persist.
+    hot = PoolSignals("prefill", replicas=3, samples=100, ttft_s=0.6, prefill_utilization=0.85)
+    assert {d.direction for d in run([steady, hot] * 50)} == {"none"}
+
+
+def test_bounds_are_respected():
+    hot = PoolSignals("prefill", replicas=3, samples=100, ttft_s=5.0, prefill_utilization=10.0)
+    decisions = run([hot] * 20, bounds=PoolBounds(1, 4))
+    assert max(d.target for d in decisions) == 4
+    assert decisions[-1].reason == "at_max"
+    # Outside the bounds (a config change), the policy moves back in at once.
+    below = decide(PoolSignals("decode", replicas=0), ScalingState(), PoolBounds(2, 5), TTFT,
+                   TPOT, now=0)[0]
+    assert (below.target, below.reason) == (2, "below_min")
+    above = decide(PoolSignals("decode", replicas=7), ScalingState(), PoolBounds(1, 5), TTFT,
+                   TPOT, now=0)[0]
+    assert (above.target, above.reason) == (5, "above_max")
+
+
+def test_no_scale_up_while_an_engine_is_still_starting():
+    booting = PoolSignals("prefill", replicas=2, starting=1, samples=100, ttft_s=3.0,
+                          prefill_utilization=2.0)
+    assert {d.reason for d in run([booting] * 5)} == {"pending"}
+
+
+def test_too_few_samples_do_not_count_as_a_latency_breach():
+    sparse = PoolSignals("prefill", replicas=1, samples=2, ttft_s=9.0)
+    assert {d.direction for d in run([sparse] * 5)} == {"none"}
+
+
+# --- the Autoscaler over the scheduler's real signals --------------------------------------
+
+MODEL = PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01, decode_step_per_seq_s=0.001)
+
+
+def scheduler():
+    sched = GlobalScheduler(["prefill", "decode"], MODEL, SloTargets(TTFT, TPOT), window_s=30,
+                            prefix_aware=False)
+    for pool in ("prefill", "decode"):
+        sched.add_engine(pool, f"{pool}-0", 16, 10_000)
+    return sched
+
+
+def test_a_ttft_breach_grows_prefill_only():
+    sched = scheduler()
+    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY)
+    for t in range(20):  # slow first tokens, fast decode
+        sched.request_finished("prefill", "decode", now=float(t), ttft_s=2.0, tpot_s=0.02)
+    first = {d.pool: d for d in scaler.evaluate(sched, now=20.0)}
+    second = {d.pool: d for d in scaler.evaluate(sched, now=25.0)}
+    assert first["prefill"].reason == "pending"
+    assert second["prefill"].direction == "up" and second["prefill"].reason == "ttft_breach"
+    assert second["decode"].direction == "none"
+
+
+def test_a_tpot_breach_grows_decode_only():
+    sched = scheduler()
+    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY)
+    for t in range(20):
+        sched.request_finished("prefill", "decode", now=float(t), ttft_s=0.1, tpot_s=0.2)
+    scaler.evaluate(sched, now=20.0)
+    decisions = {d.pool: d for d in scaler.evaluate(sched, now=25.0)}
+    assert decisions["decode"].reason == "tpot_breach" and decisions["decode"].direction == "up"
+    assert decisions["prefill"].direction == "none"
+
+
+def test_prefill_load_from_arrivals_grows_prefill_before_latency_breaks():
+    sched = scheduler()
+    for t in range(30):  # 3000 prompt tokens/s against one engine's 1000 tok/s
+        sched.prefill_started("prefill", "prefill-0", 3000, now=float(t))
+    signals = sched.signals("prefill", now=30.0)
+    assert signals.prefill_utilization == pytest.approx(3.0)
+    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY)
+    scaler.evaluate(sched, now=30.0)
+    up = {d.pool: d for d in scaler.evaluate(sched, now=35.0)}["prefill"]
+    # 3 engines' worth of load at 80% each: 4 engines (the max).
+    assert (up.reason, up.target) == ("prefill_load", 4)

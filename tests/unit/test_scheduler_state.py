@@ -1,0 +1,118 @@
+"""Performance model (calibration seed, online fit), SLO tracker, prefix index, and the
+GlobalScheduler's request accounting."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.scheduler.perf_model import LineFit, OnlineFit, PerfModel, fit_line
+from pdserve.scheduler.prefix import PrefixIndex, block_hashes
+from pdserve.scheduler.routing import Placement, SloTargets
+from pdserve.scheduler.scheduler import GlobalScheduler
+from pdserve.scheduler.slo import SloTracker, percentile_of
+
+pytestmark = pytest.mark.unit
+
+CALIBRATION = Path(__file__).resolve().parents[3] / "shared" / "calibration" / "h200-vllm0.24-llama8b.json"
+
+
+def test_model_from_a_calibration_profile():
+    data = {"prefill_tokens_per_s": {"a": 40000, "b": 50000, "c": 45000},
+            "ttft_single_ms": {"1000": 32.0, "2000": 54.0},
+            "tpot_ms_by_batch": {"1": 5.0, "101": 15.0},
+            "kv_bytes_per_token": 1000, "transfer": {"bytes_per_s": 1e9, "overhead_s": 0.002}}
+    m = PerfModel.from_calibration(data)
+    assert m.prefill_tokens_per_s == 45000
+    # overhead = mean(32 - 1000/45, 54 - 2000/45) ms
+    assert m.prefill_overhead_s == pytest.approx(((0.032 - 1000 / 45000) + (0.054 - 2000 / 45000)) / 2)
+    assert (m.decode_step_s, m.decode_step_per_seq_s) == pytest.approx((0.0049, 0.0001))
+    assert m.transfer_s(1000) == pytest.approx(0.002 + 0.001)
+    assert m.max_batch_for_tpot(0.0149) == 100
+
+
+@pytest.mark.skipif(not CALIBRATION.exists(), reason="shared calibration not present")
+def test_the_shared_h200_profile_reproduces_its_own_numbers():
+    m = PerfModel.load(CALIBRATION)
+    data = json.loads(CALIBRATION.read_text())
+    for batch, ms in data["tpot_ms_by_batch"].items():
+        assert m.decode_step_time(int(batch)) * 1000 == pytest.approx(ms, rel=0.15)
+    assert m.prefill_s(2048) * 1000 == pytest.approx(data["ttft_single_ms"]["2048"], rel=0.2)
+
+
+def test_fit_line_and_weighted_online_fit_recover_a_line():
+    assert fit_line([(0, 1), (1, 3), (2, 5)]) == pytest.approx((1, 2))
+    fit = LineFit(intercept=0.0, slope=0.0, decay=1.0, prior_weight=1.0)
+    for x in range(1, 200):
+        fit.observe(x, 0.01 + 0.002 * x)
+    a, b = fit.line()
+    assert a == pytest.approx(0.01, abs=2e-3) and b == pytest.approx(0.002, rel=0.02)
+
+
+def test_online_fit_moves_from_the_seed_to_what_it_observes():
+    seed = PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.05, decode_step_per_seq_s=0.0)
+    fit = OnlineFit(seed)
+    assert fit.model() == seed
+    for tokens in (100, 400, 800, 1600) * 20:  # truly 4000 tok/s + 20 ms
+        fit.observe_prefill(tokens, 0.02 + tokens / 4000)
+    for batch in (1, 4, 8, 16) * 20:  # truly 10 ms + 1 ms per request
+        fit.observe_decode(batch, 0.010 + 0.001 * batch)
+    m = fit.model()
+    assert m.prefill_tokens_per_s == pytest.approx(4000, rel=0.1)
+    assert m.prefill_overhead_s == pytest.approx(0.02, abs=0.01)
+    assert m.decode_step_time(8) == pytest.approx(0.018, rel=0.1)
+
+
+def test_slo_tracker_percentiles_and_window():
+    t = SloTracker(window_s=10)
+    for i in range(100):
+        t.record_ttft("prefill", now=float(i) / 10, ttft_s=i / 100)
+    s = t.summary("prefill", now=9.9, percentile=90, ttft_target_s=0.495)
+    assert s.count == 100 and s.ttft_p_s == pytest.approx(percentile_of([i / 100 for i in range(100)], 90))
+    assert s.ttft_attainment == pytest.approx(0.5)
+    # 15 s later only samples newer than 14.9 - 10 s remain: none.
+    assert t.summary("prefill", now=24.9).count == 0
+    assert percentile_of([1, 2, 3, 4], 50) == 2.5 and percentile_of([], 90) is None
+
+
+def test_prefix_index_matches_leading_blocks_and_evicts_lru():
+    prompt = list(range(64))
+    hashes = block_hashes(prompt, 16)
+    assert len(hashes) == 4 and len(block_hashes(prompt[:15], 16)) == 0
+    # A prompt that shares the first 2 blocks and differs after hits 32 tokens.
+    other = block_hashes(prompt[:32] + [999] * 32, 16)
+    index = PrefixIndex(16, capacity_blocks=6)
+    index.insert("e0", hashes)
+    assert index.cached_tokens("e0", other) == 32 and index.cached_tokens("e1", other) == 0
+    # Hashes chain: the same block after a different prefix is not a hit.
+    assert index.cached_tokens("e0", block_hashes([7] * 16 + prompt[16:32], 16)) == 0
+    index.insert("e0", block_hashes([5] * 48, 16))  # 3 more blocks: the oldest one goes
+    assert index.cached_tokens("e0", hashes) == 0
+
+
+def test_scheduler_accounting_drives_routing_and_drains():
+    sched = GlobalScheduler(["prefill", "decode"],
+                            PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01),
+                            SloTargets(1.0, 0.05), prefix_block_size=16)
+    for pool in ("prefill", "decode"):
+        for i in range(2):
+            sched.add_engine(pool, f"{pool}-{i}", 16, 1000)
+    prompt = list(range(500))
+    first = sched.route(prompt, 20)
+    assert isinstance(first, Placement) and first.prefill == "prefill-0"
+    ticket = sched.prefill_started("prefill", first.prefill, 500, now=0.0)
+    sched.pin("prefill", first.prefill)
+    # prefill-0 now has 500 tokens queued: the next (different) prompt goes to prefill-1.
+    assert sched.route(list(range(1000, 1500)), 20).prefill == "prefill-1"
+    sched.first_token(ticket, now=0.5)
+    sched.remember_prefix(first.prefill, prompt)
+    # The same prompt again: prefill-0 has it cached (496 of 500 tokens in full blocks).
+    assert sched.cached_tokens("prefill-0", prompt) == 496
+    assert sched.route(prompt, 20).prefill == "prefill-0"
+    state = sched.engine("prefill", "prefill-0")
+    assert state.queued_prefill_tokens == 0 and not state.idle  # still pinned
+    sched.unpin("prefill", "prefill-0")
+    assert state.idle
+    # A draining engine gets nothing new.
+    state.draining = True
+    assert sched.route(prompt, 20).prefill == "prefill-1"
