@@ -1,0 +1,141 @@
+"""Validate the simulator: predicted vs measured TTFT/TPOT percentiles and goodput.
+
+CPU (this machine): each measured run (a `pdserve bench serve` result JSON) is replayed in the
+simulator request for request (its own arrival offsets, prompt and output lengths), on the
+topology it ran (colocated x1 or 1P1D), with the engine profile recorded from the CPU service,
+and scored with the harness's metrics and the run's goodput SLOs.
+
+GPU: the calibration file's `colocated_serving_isl2048_osl256_poisson` table (plain vLLM 0.24 on
+one H200, Llama-3.1-8B shape) against the simulator fed the same file's profile, 1000 Poisson
+requests of 2048 in / 256 out per rate (vllm bench's default count; the file does not say).
+
+    .venv/bin/python benchmarks/sim_validate.py --profile benchmarks/results/sim/cpu-profile/colocated.json \\
+        --arm colocated --measured benchmarks/results/cpu/2026-11-26-compare/colocated-rate*.json \\
+        --out benchmarks/results/sim/validation-colocated
+    .venv/bin/python benchmarks/sim_validate.py --gpu /work/shared/calibration/h200-vllm0.24-llama8b.json \\
+        --out benchmarks/results/sim/validation-gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.bench.metrics import SLOTargets  # noqa: E402
+from pdserve.sim.engine_profile import EngineProfile, h200_kv_blocks  # noqa: E402
+from pdserve.sim.results import bench_result, run_json  # noqa: E402
+from pdserve.sim.runner import SimConfig, Topology, simulate  # noqa: E402
+from pdserve.sim.workload import Workload, at_rate  # noqa: E402
+
+METRICS = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "request_goodput",
+           "output_throughput")
+
+
+def replay(measured: dict) -> Workload:
+    """The measured run's own requests: arrival offsets and lengths."""
+    ok = [e in ("", None) for e in measured["errors"]]
+    starts = np.array(measured["start_times"], float)
+    order = np.argsort(starts, kind="stable")
+    prompts = np.array(measured["input_lens"], np.int64)
+    outputs = np.array([n if n else 1 for n in measured["output_lens"]], np.int64)
+    if not all(ok):
+        print(f"note: {ok.count(False)} failed request(s) replayed with their nominal lengths")
+    return Workload(starts[order] - starts.min(), prompts[order], outputs[order], "replay")
+
+
+def topology(arm: str) -> Topology:
+    return Topology.colocated(1) if arm == "colocated" else Topology.disaggregated(1, 1)
+
+
+def compare(sim: dict, measured: dict) -> dict:
+    row = {}
+    for key in METRICS:
+        m, s = measured.get(key), sim.get(key)
+        if m is None or s is None:
+            continue
+        row[key] = {"measured": m, "sim": s, "error_pct": (s - m) / m * 100 if m else None}
+    return row
+
+
+def cpu(args: argparse.Namespace) -> list[dict]:
+    profile = EngineProfile.load(args.profile)
+    rows = []
+    for path in args.measured:
+        measured = json.loads(Path(path).read_text())
+        slo = SLOTargets(**{f"{k}_ms": v for k, v in (measured.get("goodput_slos") or {}).items()})
+        run = simulate(SimConfig(profile, topology(args.arm)), replay(measured))
+        sim = run_json(run, slo, percentiles=(50, 90, 99))
+        rows.append({"run": str(path), "arm": args.arm, "rate": measured["request_rate"],
+                     "metrics": compare(sim, measured)})
+    return rows
+
+
+def gpu(args: argparse.Namespace) -> list[dict]:
+    data = json.loads(Path(args.gpu).read_text())
+    table = data["colocated_serving_isl2048_osl256_poisson"]["by_rate_req_s"]
+    # vLLM's default 0.9 of 141 GB minus 16 GB of bf16 weights, 16-token blocks.
+    profile = EngineProfile.from_json(data, num_kv_blocks=h200_kv_blocks(data), block_size=16,
+                                      max_num_batched_tokens=8192, name="h200-llama8b")
+    rows = []
+    for rate, point in table.items():
+        wl = at_rate("random", args.gpu_prompts, float(rate), input_len=2048, output_len=256)
+        run = simulate(SimConfig(profile, Topology.colocated(1), record_itls=False), wl)
+        sim = run_json(run, None, percentiles=(50, 90, 99))
+        measured = {"median_ttft_ms": point["ttft_ms_p50_p90_p99"][0],
+                    "p90_ttft_ms": point["ttft_ms_p50_p90_p99"][1],
+                    "p99_ttft_ms": point["ttft_ms_p50_p90_p99"][2],
+                    "median_tpot_ms": point["tpot_ms_p50_p90_p99"][0],
+                    "p90_tpot_ms": point["tpot_ms_p50_p90_p99"][1],
+                    "request_throughput": point["throughput"]}
+        row = {k: {"measured": v, "sim": sim[k], "error_pct": (sim[k] - v) / v * 100}
+               for k, v in measured.items()}
+        rows.append({"run": "calibration", "arm": "vllm colocated H200", "rate": float(rate),
+                     "metrics": row})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    keys = sorted({k for r in rows for k in r["metrics"]}, key=lambda k: (
+        list(METRICS) + ["p99_ttft_ms", "request_throughput"]).index(k))
+    head = "| arm | rate | " + " | ".join(f"{k} meas / sim (err)" for k in keys) + " |"
+    lines = [head, "|" + "---|" * (len(keys) + 2)]
+    for r in rows:
+        cells = []
+        for k in keys:
+            c = r["metrics"].get(k)
+            if c is None:
+                cells.append("-")
+                continue
+            err = "" if c["error_pct"] is None else f" ({c['error_pct']:+.0f}%)"
+            cells.append(f"{c['measured']:.4g} / {c['sim']:.4g}{err}")
+        lines.append(f"| {r['arm']} | {r['rate']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--profile", type=Path)
+    parser.add_argument("--arm", choices=["colocated", "disaggregated"], default="colocated")
+    parser.add_argument("--measured", nargs="*", default=[])
+    parser.add_argument("--gpu", type=Path, help="calibration JSON with a serving table")
+    parser.add_argument("--gpu-prompts", type=int, default=1000)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    rows = (cpu(args) if args.measured else []) + (gpu(args) if args.gpu else [])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "validation.json").write_text(json.dumps(
+        {"command": " ".join(sys.argv), "profile": str(args.profile), "rows": rows}, indent=1))
+    table = markdown(rows)
+    (args.out / "table.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
