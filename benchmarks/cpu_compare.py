@@ -3,7 +3,9 @@
 Each arm is started alone (so arms never compete for cores), measured with the same
 `pdserve bench serve` workload at each request rate, and stopped. Results (vllm-bench-compatible
 JSON, per-request CSV, latency CDF plots) go under --out; the side-by-side table is printed and
-saved as table.md.
+saved as table.md, and attainment.png plots TTFT / TPOT / both-SLO attainment vs rate for every arm.
+With --resume, arms whose JSON is already in --out are not rerun (all saved: only the table and
+the plot are regenerated).
 
     .venv/bin/python benchmarks/cpu_compare.py --out benchmarks/results/cpu/<date> \\
         --arms colocated disaggregated vllm --request-rates 0.5 1 2 --num-prompts 24
@@ -81,6 +83,17 @@ def table(results: dict[str, dict[float, dict]], args: argparse.Namespace) -> st
     return "\n".join(lines)
 
 
+def plot_attainment(results: dict[str, dict[float, dict]], args: argparse.Namespace) -> Path:
+    """TTFT, TPOT and both-SLO attainment vs rate, one line per arm, from the saved result JSON."""
+    from pdserve.bench.plots import plot_slo_attainment_panels
+
+    runs = {arm: [(rate, r["slo_attainment"]) for rate, r in sorted(points.items())]
+            for arm, points in results.items()}
+    title = (f"SLO attainment vs request rate (TTFT <= {args.ttft_ms:g} ms, TPOT <= {args.tpot_ms:g} ms; "
+             f"every arm on the same {os.cpu_count()} CPU cores)")
+    return plot_slo_attainment_panels(runs, args.out / "attainment.png", title=title)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -122,6 +135,7 @@ def main() -> None:
     machine = f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     (args.out / "table.md").write_text(f"{machine}\n\n{text}\n\ncommand: {' '.join(sys.argv)}\n")
     print(text)
+    print(f"Saved {plot_attainment(results, args)}")
 
 
 if __name__ == "__main__":
