@@ -132,7 +132,8 @@ def main() -> None:
         finally:
             server.stop()
     text = table(results, args)
-    machine = f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    machine = (f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
+               f"Python {platform.python_version()}")
     (args.out / "table.md").write_text(f"{machine}\n\n{text}\n\ncommand: {' '.join(sys.argv)}\n")
     print(text)
     print(f"Saved {plot_attainment(results, args)}")

@@ -428,7 +428,9 @@ async def _tune(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _evaluate_candidate(args: argparse.Namespace, candidate: Candidate, settings: TuneSettings) -> Trial:
+async def _evaluate_candidate(
+    args: argparse.Namespace, candidate: Candidate, settings: TuneSettings
+) -> Trial:
     """Start the candidate's service, search its goodput, stop it; a failure becomes a FAILED trial."""
     num_gpus = settings.num_gpus(candidate)
     serve_args = [*candidate.deployment.serve_args(), *candidate.knobs.serve_args(),
@@ -508,7 +510,8 @@ def _save_tune_outputs(args: argparse.Namespace, trials: Sequence[Trial], out: P
         writer.writerow(columns)
         for trial in rank_trials(trials):
             row = trial_to_dict(trial)
-            row["probes"] = ";".join(f"{p['request_rate']:g}:{p['slo_attainment']:.3f}" for p in row["probes"])
+            probes = row["probes"]
+            row["probes"] = ";".join(f"{p['request_rate']:g}:{p['slo_attainment']:.3f}" for p in probes)
             writer.writerow([row[c] for c in columns])
     measured = [t for t in rank_trials(trials) if t.status is TrialStatus.OK]
     if measured and not args.no_plots:
@@ -520,7 +523,8 @@ def _save_tune_outputs(args: argparse.Namespace, trials: Sequence[Trial], out: P
 
 
 def _machine() -> str:
-    return f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    host = f"{platform.node()} {platform.machine()}"
+    return f"{host}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 if __name__ == "__main__":

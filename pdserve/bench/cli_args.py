@@ -351,7 +351,10 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
         "--start-timeout", type=_positive_float, default=900.0, help="seconds a service may take to start"
     )
     group.add_argument(
-        "--start-retries", type=_non_negative_int, default=1, help="restarts of a service that failed to start"
+        "--start-retries",
+        type=_non_negative_int,
+        default=1,
+        help="restarts of a service that failed to start",
     )
     _add_search_args(group)
 

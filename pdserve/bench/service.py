@@ -64,16 +64,7 @@ class ServeProcess:
     ) -> ServeProcess:
         """Start `pdserve serve SERVE_ARGS` on a free port; return once /health answers 200."""
         port = free_port()
-        command = [sys.executable, "-m", "pdserve", "serve", "--port", str(port), *serve_args]
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("w") as log:
-            log.write("$ " + " ".join(command) + "\n")
-            log.flush()
-            process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        service = cls(process, port, log_path)
+        service = cls(_launch([*serve_args, "--port", str(port)], log_path), port, log_path)
         try:
             await service._wait_healthy(timeout_s)
         except BaseException:
@@ -150,6 +141,19 @@ class ServeProcess:
     def alive_descendants(self) -> list[int]:
         """Descendants seen while running that still exist (and are not zombies): empty after `stop`."""
         return [process.pid for process in self._alive_descendants()]
+
+
+def _launch(serve_args: Sequence[str], log_path: Path) -> subprocess.Popen:
+    """`pdserve serve` in a new session, its output (after the command line) in `log_path`."""
+    command = [sys.executable, "-m", "pdserve", "serve", *serve_args]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        log.write("$ " + " ".join(command) + "\n")
+        log.flush()
+        return subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
 
 def _wait_gone(gone, timeout_s: float) -> None:

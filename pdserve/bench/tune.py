@@ -345,7 +345,10 @@ def trial_to_dict(trial: Trial) -> dict[str, Any]:
 
 def trial_from_dict(data: Mapping[str, Any]) -> Trial:
     deployment = Deployment(
-        DeploymentMode(data["mode"]), replicas=data["replicas"], prefill=data["prefill"], decode=data["decode"]
+        DeploymentMode(data["mode"]),
+        replicas=data["replicas"],
+        prefill=data["prefill"],
+        decode=data["decode"],
     )
     knobs = EngineKnobs(data["max_num_seqs"], data["max_num_batched_tokens"])
     return Trial(

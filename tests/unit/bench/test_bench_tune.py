@@ -36,9 +36,9 @@ pytestmark = pytest.mark.unit
 class FakeEvaluator:
     """Answers each candidate with a scripted goodput (req/s) or a start failure; records the calls."""
 
-    def __init__(self, goodput: Mapping[str, float | None], settings: TuneSettings = TuneSettings()) -> None:
+    def __init__(self, goodput: Mapping[str, float | None]) -> None:
         self.goodput = goodput
-        self.settings = settings
+        self.settings = TuneSettings()
         self.calls: list[str] = []
 
     async def __call__(self, candidate: Candidate) -> Trial:
@@ -168,8 +168,9 @@ async def test_resume_reuses_recorded_trials_and_measures_only_the_rest() -> Non
 
     second = FakeEvaluator(goodput)
     seen: list[str] = []
+    previous = resumable_trials(saved, settings)
     trials = await run_tuning(
-        _plan(), second, TuneSettings(), resumable_trials(saved, settings), lambda t: seen.append(t.candidate.key)
+        _plan(), second, TuneSettings(), previous, lambda t: seen.append(t.candidate.key)
     )
     assert second.calls == [c.key for c in _plan()[3:]]
     assert seen == [c.key for c in _plan()]  # reused trials are reported too (the record stays whole)
@@ -274,10 +275,12 @@ def test_tune_cli_records_a_service_that_fails_to_start(
         (["--goodput", "ttft:1"], "needs --num-engines N or --deployments"),
         (["--goodput", "ttft:1", "--deployments", "colocated"], "needs :N"),
         (["--goodput", "ttft:1", "--deployments", "4x4"], "--deployments: invalid deployment"),
-        (["--goodput", "ttft:1", "--num-engines", "2", "--serve-args", "--mode colocated"], "must not set --mode"),
+        (["--goodput", "ttft:1", "--num-engines", "2", "--serve-args", "--mode colocated"],
+         "must not set --mode"),
         (["--goodput", "ttft:1", "--num-engines", "2", "--serve-args", "--set engine.max_num_seqs=4"],
          "use --num-seqs-list"),
-        (["--goodput", "ttft:1", "--num-engines", "2", "--num-seqs-list", "0"], "--num-seqs-list: must be >= 1"),
+        (["--goodput", "ttft:1", "--num-engines", "2", "--num-seqs-list", "0"],
+         "--num-seqs-list: must be >= 1"),
         (["--goodput", "ttft:1", "--num-engines", "2", "--serve-args", "'unclosed"], "cannot split"),
     ],
 )

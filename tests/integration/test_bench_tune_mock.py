@@ -1,0 +1,72 @@
+"""`pdserve bench tune` for real: it starts `pdserve serve --engine mock` on local Ray for each candidate
+(colocated:2 and 1P1D), searches each one's goodput, stops it, and leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.bench import cli
+from pdserve.bench.service import ServeProcess
+from pdserve.testing import tiny_tokenizer
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    model_dir = tmp_path / "tiny-model"
+    tiny_tokenizer().save_pretrained(model_dir)
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return model_dir
+
+
+def test_tune_starts_searches_and_stops_each_candidate(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    started: list[ServeProcess] = []
+
+    class RecordingServeProcess(ServeProcess):
+        """The real launcher; it only keeps each service so the test can check what is left after."""
+
+        @classmethod
+        async def start(cls, serve_args, log_path, timeout_s=900.0):
+            service = await super().start(serve_args, log_path, timeout_s)
+            started.append(service)
+            return service
+
+    monkeypatch.setattr(cli, "ServeProcess", RecordingServeProcess)
+    out = tmp_path / "tune"
+    argv = [
+        "tune", "--num-engines", "2", "--num-seqs-list", "8",
+        "--serve-args", f"--engine mock --model {tiny_model_dir} --served-model-name tiny",
+        "--num-cpus-per-engine", "0.25", "--tokenizer", str(tiny_model_dir),
+        "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", "6",
+        # Lax targets and a two-rate search: the test checks the plumbing, not a speed.
+        "--goodput", "ttft:30000", "tpot:30000", "--search-start-rate", "1", "--search-max-rate", "2",
+        "--start-timeout", "300", "--result-dir", str(out), "--disable-tqdm",
+    ]
+    assert cli.main(argv) == 0
+
+    record = json.loads((out / "tune.json").read_text())
+    trials = {t["key"]: t for t in record["trials"]}
+    assert list(trials) == ["colocated:2/seqs=8,tokens=default", "1P1D/seqs=8,tokens=default"]
+    for trial in trials.values():
+        assert trial["status"] == "ok", trial["error"]
+        assert [p["request_rate"] for p in trial["probes"]] == [1.0, 2.0]
+        assert trial["max_goodput_rate"] == 2.0 and trial["goodput_per_gpu"] == 1.0
+        assert trial["start_s"] > 0
+    assert (out / "tune.csv").exists() and (out / "tune.png").exists()
+    # Each service got the deployment and knobs, and logged its start.
+    logs = sorted((out / "logs").iterdir())
+    assert [log.name for log in logs] == [
+        "1P1D-seqs-8-tokens-default.log", "colocated-2-seqs-8-tokens-default.log"
+    ]
+    assert "--prefill 1 --decode 1 --max-num-seqs 8 --engine mock" in logs[0].read_text()
+    # Nothing of either service survives: not the server, not Ray, not the engine actors (which Ray
+    # puts in process groups of their own).
+    assert len(started) == 2
+    for service in started:
+        assert service.process.poll() is not None
+        assert len(service.descendants) >= 3  # Ray's GCS and raylet plus engine actors, at least
+        assert service.alive_descendants() == []
+    assert "Best of each deployment" in capsys.readouterr().out
