@@ -30,6 +30,7 @@ from pdserve.autoscaler.controller import Autoscaler
 from pdserve.autoscaler.policy import PoolBounds, ScalingDecision, ScalingPolicy
 from pdserve.scheduler.routing import Rejection, RoutingPolicy, SloTargets
 from pdserve.scheduler.scheduler import COLOCATED, DECODE, PREFILL, GlobalScheduler
+from pdserve.sim.baselines import TtftOnlyAutoscaler
 from pdserve.sim.engine import SimEngine, SimRequest
 from pdserve.sim.engine_profile import EngineProfile
 from pdserve.sim.events import EventQueue
@@ -88,6 +89,8 @@ class SimConfig:
     record_itls: bool = True  # per-token gaps (memory grows with steps; off for large runs)
     skip_steps: bool = True  # one event per decode-only run of steps (same timeline, faster)
     keep_requests: bool = True  # per-request outcomes (off: only streaming summaries)
+    # "pdserve": the production Autoscaler; "ttft_only": the reactive baseline (baselines.py).
+    autoscaler: str = "pdserve"
 
 
 @dataclass(slots=True)
@@ -135,12 +138,15 @@ class Simulation:
         perf = config.profile.perf
         self.sched = GlobalScheduler(list(config.topology.pools), perf, config.slo,
                                      config.routing, window_s=config.window_s, prefix_aware=False)
-        self.autoscaler: Autoscaler | None = None
+        self.autoscaler: Autoscaler | TtftOnlyAutoscaler | None = None
         if config.topology.bounds:
             if config.slo is None:
                 raise ValueError("an autoscaled topology needs SLO targets")
-            self.autoscaler = Autoscaler(config.topology.bounds, config.slo.ttft_s,
-                                         config.slo.tpot_s, config.scaling)
+            if config.autoscaler == "ttft_only":
+                self.autoscaler = TtftOnlyAutoscaler(config.topology.bounds, config.slo.ttft_s)
+            else:
+                self.autoscaler = Autoscaler(config.topology.bounds, config.slo.ttft_s,
+                                             config.slo.tpot_s, config.scaling)
         self._engines: dict[str, dict[str, SimEngine]] = {p: {} for p in config.topology.pools}
         self._all_engines: list[SimEngine] = []
         self._next_index = {p: 0 for p in config.topology.pools}

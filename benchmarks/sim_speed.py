@@ -1,0 +1,89 @@
+"""Simulator speed: simulated requests per wall-clock second on one core, and what the issue's
+target (a day at 10k requests/s over 1000 GPUs = 864M requests) would take at that speed.
+
+Traffic: the chat shape (Azure conversation statistics) on the H200 / Llama-3.1-8B profile at
+10 requests/s per engine (the target's density: 10k req/s over 1000 GPUs), colocated engines,
+production routing on every request. Scenarios:
+- `global`: all 1000 engines behind one GlobalScheduler (what the target literally asks);
+- `cell16` / `cell4`: one sampled cell of 16 or 4 engines (pdserve.sim.cells), whose result
+  stands for the whole deployment: a day of the target needs one cell-day of 1/cells traffic.
+
+    .venv/bin/python benchmarks/sim_speed.py --out benchmarks/results/sim/speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.scheduler.routing import SloTargets  # noqa: E402
+from pdserve.sim.engine_profile import EngineProfile, h200_kv_blocks  # noqa: E402
+from pdserve.sim.results import LatencyRecorder  # noqa: E402
+from pdserve.sim.runner import SimConfig, Simulation, Topology  # noqa: E402
+from pdserve.sim.workload import at_rate  # noqa: E402
+
+CALIBRATION = Path(__file__).resolve().parents[2] / "shared/calibration/h200-vllm0.24-llama8b.json"
+TARGET_REQUESTS = 10_000 * 86_400
+TARGET_GPUS = 1000
+
+
+def measure(engines: int, seconds: float, profile: EngineProfile) -> dict:
+    rate = 10.0 * engines
+    count = int(rate * seconds)
+    wl = at_rate("chat", count, rate, seed=0)
+    sim = Simulation(SimConfig(profile, Topology.colocated(engines), SloTargets(0.5, 0.05),
+                               record_itls=False, keep_requests=False))
+    sim.on_request_done = LatencyRecorder(count, profile.response_s)
+    started = time.process_time()
+    wall = time.perf_counter()
+    run = sim.run(wl)
+    cpu = time.process_time() - started
+    wall = time.perf_counter() - wall
+    per_s = count / cpu
+    cells = TARGET_GPUS / engines
+    one_cell_requests = TARGET_REQUESTS / cells
+    return {"engines": engines, "request_rate": rate, "requests": count,
+            "simulated_s": run.end_s, "events": run.events, "cpu_s": cpu, "wall_s": wall,
+            "simulated_requests_per_cpu_s": per_s,
+            "target_cells": cells,
+            "target_hours_one_sampled_cell": one_cell_requests / per_s / 3600,
+            "target_hours_every_cell": TARGET_REQUESTS / per_s / 3600}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--scenarios", nargs="+", default=["cell4:300", "cell16:120", "global:1"],
+                        help="name:simulated-seconds; name is cellN or global")
+    args = parser.parse_args()
+    data = json.loads(CALIBRATION.read_text())
+    profile = EngineProfile.from_json(data, num_kv_blocks=h200_kv_blocks(data), block_size=16,
+                                      max_num_batched_tokens=8192, name="h200-llama8b")
+    results = {}
+    for spec in args.scenarios:
+        name, seconds = spec.split(":")
+        engines = TARGET_GPUS if name == "global" else int(name.removeprefix("cell"))
+        results[name] = measure(engines, float(seconds), profile)
+        r = results[name]
+        print(f"{name:>7}: {r['engines']} engines, {r['requests']} requests ({r['simulated_s']:.0f} s "
+              f"simulated) in {r['cpu_s']:.1f} CPU s = {r['simulated_requests_per_cpu_s']:.0f} "
+              f"req/CPU-s; target day: {r['target_hours_one_sampled_cell']:.2f} h for one sampled "
+              f"cell, {r['target_hours_every_cell']:.0f} h for all", flush=True)
+    load = os.getloadavg()
+    out = {"command": " ".join(sys.argv), "machine": f"{platform.machine()}, {os.cpu_count()} cores "
+           f"(shared; load average {load[0]:.1f} at the end)", "python": platform.python_version(),
+           "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
