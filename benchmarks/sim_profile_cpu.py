@@ -57,11 +57,13 @@ def main() -> int:
     parser.add_argument("--arm", choices=sorted(ARMS), required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--bench-rates", type=float, nargs="*", default=[])
+    parser.add_argument("--start-timeout-s", type=float, default=1200)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_embedded_model()
     started = time.monotonic()
-    server = start_server(ARMS[args.arm], args.out / f"{args.arm}-serve.log")
+    server = start_server(ARMS[args.arm], args.out / f"{args.arm}-serve.log",
+                          args.start_timeout_s)
     startup = time.monotonic() - started
     try:
         log = (args.out / f"{args.arm}-serve.log").read_text(errors="replace")

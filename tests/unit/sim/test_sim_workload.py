@@ -39,8 +39,8 @@ def test_diurnal_and_bursts():
     surged = bursty(day, bursts=3, burst_factor=2.0, burst_s=600, seed=1)
     ratio = surged.rate(np.linspace(0, 86400, 20000)) / day.rate(np.linspace(0, 86400, 20000))
     assert ratio.max() == pytest.approx(2.0, rel=0.01) and ratio.min() == pytest.approx(1.0)
-    wl = from_curve(day.scaled(0.01), "chat", seed=0)
-    assert len(wl) == pytest.approx(day.scaled(0.01).cumulative()[1][-1], rel=0.05)
+    wl = from_curve(day.scaled(0.002), "chat", seed=0)
+    assert len(wl) == pytest.approx(day.scaled(0.002).cumulative()[1][-1], rel=0.05)
 
 
 def test_a_cell_is_a_share_of_engines_bounds_and_traffic():
