@@ -59,7 +59,8 @@ __all__ = [
 
 # Bump on any change to the messages or to the byte order of blocks on the wire; peers speaking
 # another version are refused at handshake rather than misreading each other's bytes.
-WIRE_VERSION = 1
+# 2: NCCL pulls are driven over a per-pair control connection (PullBlocksNccl is no longer used).
+WIRE_VERSION = 2
 # A pinned request's blocks are freed after this long even if no decode worker pulls them, so a
 # lost decode request cannot leak prefill KV. 30 s is ~100x a slow CPU pull of a long prompt.
 DEFAULT_LEASE_S = 30.0

@@ -1,18 +1,31 @@
 """NCCL transport: blocks move over one torch.distributed group per (source, sink) worker pair.
 
-The gRPC transport is the side channel: handshake and session as for gRPC pulls, then
-- SetupCommunicator (once per pair, on the first pull): the source hosts a TCPStore for the pair
-  and starts joining a 2-rank group as rank 0 on the pair's own thread; the sink joins as rank 1.
-  Groups are constructed directly (ProcessGroupNCCL on CUDA, ProcessGroupGloo on CPU, chosen from
-  the tensors' device), never through init_process_group: a worker may hold many pairs.
-- PullBlocksNccl (once per pull): the source checks the pin and queues the send; the sink then
-  receives. Both ends cut the pull into the same batches (blocks.plan_pieces/pack_batches), so no
-  per-batch metadata crosses the wire.
+The gRPC transport handles handshake and session as for gRPC pulls. Then, once per pair:
+- SetupCommunicator: the source hosts a TCPStore for the pair's rendezvous and a listener for
+  its control connection (`control`), starts the pair's thread, and returns both addresses plus
+  the pair settings and a random key. The pair thread joins a 2-rank group as rank 0 and accepts
+  the control connection; the sink joins as rank 1 and connects, proving the key. Groups are
+  built directly (ProcessGroupNCCL on CUDA, ProcessGroupGloo on CPU, chosen from the tensors'
+  device), never through init_process_group: a worker may hold many pairs.
 
-Each batch is gathered into a staging buffer, sent as one message, and scattered on the other
-side: many small per-layer block slices would each be a separate, slow message (see
-DEFAULT_STAGING_BYTES). Pulls on one pair run one at a time in the same order on both ends. A
-failed send or receive breaks the pair on that end; the next pull sets up a fresh pair.
+Per pull, the sink sends one header frame (request, source blocks, release) over the control
+connection and at once posts its receives; the source's pair thread wakes on the frame, checks
+the pin, answers with one reply frame and sends. Both ends cut the pull into the same batches
+(blocks.plan_pieces/pack_batches), so no per-batch metadata crosses the wire. A refused pull
+(not pinned, lease expired) still sends the planned bytes, stale, so both ends stay in step;
+the sink reads the refusal after the data and fails the pull (the connector recomputes or
+fails the request, whose destination blocks it reports as failed).
+
+Batches are gathered into one of two staging buffers per side and sent as one message, so
+gathering batch i+1 overlaps sending batch i (and receiving i+1 overlaps scattering i). On CUDA
+every gather, send, receive and scatter of a pull is queued without waiting on the host (the
+pair's stream orders them), then the pull thread waits once on a CUDA event: the pull costs two
+thread wake-ups per side, not one per operation, which matters inside a busy engine process
+where every wake-up waits for the GIL. A watchdog aborts a pair whose pull outlives the pair
+timeout, which ends the pending NCCL operations and fails the pull.
+
+Pulls on one pair run one at a time in the same order on both ends. A failed send or receive
+breaks the pair on that end; the next pull sets up a fresh pair.
 """
 
 from __future__ import annotations
@@ -20,38 +33,44 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import queue
 import secrets
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-import grpc
 import msgpack
 import torch
 import torch.distributed as dist
 
 from pdserve.kv.proto import kv_transfer_pb2 as pb
-from pdserve.kv.transport import blocks
+from pdserve.kv.transport import blocks, control
 from pdserve.kv.transport.base import BlockRegion, KVLayoutSpec, KVTransfer, KVTransportError
 from pdserve.kv.transport.grpc import HANDSHAKE_TIMEOUT_S, GrpcSink, GrpcSource, SourceSession
 
 logger = logging.getLogger(__name__)
 
-# 64 MiB staging per pair and side. Measured NCCL send/recv between two H100s over NVLink:
-# 20 GB/s at 1 MiB messages, 282 GB/s at 16 MiB, 372 GB/s at 1 GiB. One Llama-8B block of one
-# layer is 64 KiB, so sending slices one by one would crawl; 64 MiB batches get near peak while
-# costing little memory (a 2048-token prompt, 256 MiB, is 4 batches).
+# 64 MiB per staging buffer, two buffers per pair and side. Measured NCCL send/recv between two
+# H100s over NVLink: 20 GB/s at 1 MiB messages, 282 GB/s at 16 MiB, 348 GB/s at 128 MiB, 372 GB/s
+# at 1 GiB. One Llama-8B block of one layer is 64 KiB, so sending slices one by one would crawl;
+# 64 MiB batches get near peak while the second buffer lets the next gather overlap the send.
 DEFAULT_STAGING_BYTES = 64 << 20
-# Rendezvous and per-operation timeout of a pair. A receive waits this long for a dead peer
+# Rendezvous and per-pull timeout of a pair. A receive waits this long for a dead peer
 # before failing the pull; keep it well above the longest pull (~1 s for 256 MiB on gloo).
 DEFAULT_PAIR_TIMEOUT_S = 30.0
-# PullBlocksNccl refusals about the request itself; any other failure also drops the pair.
-_REQUEST_ERRORS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT)
+# How often the watchdog looks for pulls past their deadline; a timeout fires this much late.
+WATCHDOG_PERIOD_S = 0.5
 # The pair settings the source sends in SetupCommunicator.params (msgpack), with their types.
-_SETTINGS_KEYS: dict[str, type | tuple[type, ...]] = {"timeout_s": (int, float), "staging_bytes": int}
+_SETTINGS_KEYS: dict[str, type | tuple[type, ...]] = {
+    "timeout_s": (int, float),
+    "staging_bytes": int,
+    "control_port": int,
+    "control_key": bytes,
+}
+# Pull phases kept when tracing (benchmarks); old ones fall off.
+_TRACE_LEN = 4096
 
 
 def backend_for(regions: Sequence[BlockRegion]) -> tuple[str, torch.device]:
@@ -77,7 +96,8 @@ def make_pair_group(
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         return dist.ProcessGroupGloo(store, rank, 2, options)
     options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
+    # Past our own watchdog's deadline, so a stuck pull is aborted by it, not by torch's.
+    options._timeout = timeout + datetime.timedelta(seconds=30)
     return dist.ProcessGroupNCCL(store, rank, 2, options)
 
 
@@ -96,23 +116,9 @@ def plan(
     return blocks.pack_batches(blocks.plan_pieces(region_nbytes, num_blocks, capacity), capacity)
 
 
-def wait_stream(stream: torch.cuda.Stream | None, deadline: float) -> None:
-    """Blocks until a CUDA stream's work is done or `deadline` passes (raises TimeoutError).
-
-    NCCL ops never block the host, so a dead peer shows up only here; gloo ops already waited.
-    """
-    if stream is None:
-        return
-    event = stream.record_event()
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise TimeoutError("NCCL transfer did not complete before the pair timeout")
-        time.sleep(0.0002)
-
-
 @dataclass(slots=True)
 class _Pair:
-    """One end of a pair's communicator, its staging buffer and (CUDA) stream."""
+    """One end of a pair: its communicator, control connection, staging buffers and stream."""
 
     pair_id: str
     backend: str
@@ -121,16 +127,21 @@ class _Pair:
     staging_bytes: int
     store: dist.Store
     group: dist.ProcessGroup | None = None
-    staging: torch.Tensor | None = None
+    control: socket.socket | None = None
+    staging: tuple[torch.Tensor, ...] = ()
     stream: torch.cuda.Stream | None = None
+    deadline: float | None = None  # of the pull in flight; the watchdog aborts past it
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def join(self, rank: int, host: str) -> None:
-        """Builds the group and staging; pair thread (source) or pull thread (sink), once."""
+        """Builds the group, staging and stream; pair thread (source) or pull thread (sink), once."""
         self.group = make_pair_group(
             dist.PrefixStore(self.pair_id, self.store), rank, self.backend, host, self.timeout_s
         )
-        self.staging = torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.device)
+        # Allocated on the device's current stream; used only on the pair's own stream.
+        self.staging = tuple(
+            torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)
+        )
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
 
@@ -138,12 +149,27 @@ class _Pair:
         """The group, or KVTransportError once the pair was aborted."""
         group = self.group
         if group is None:
-            raise KVTransportError(f"KV pair {self.pair_id} was closed")
+            raise KVTransportError(f"KV pair {self.pair_id} was closed or timed out")
         return group
 
+    def finish_stream(self) -> None:
+        """Waits, GIL released, until everything queued on the pair's stream has run (CUDA); a
+        no-op on gloo, whose ops already waited. Raises if the pair was aborted meanwhile."""
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            event.synchronize()
+        self.live_group()
+
     def abort(self) -> None:
-        """Tears the group down so later ops fail fast; any thread, at most once matters."""
+        """Tears the group and control connection down so pending and later ops fail; any
+        thread (close, watchdog, the pair's own threads); only the first call matters."""
         group, self.group = self.group, None
+        conn, self.control = self.control, None
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
         if group is not None:
             try:
                 group.abort()
@@ -151,18 +177,41 @@ class _Pair:
                 logger.debug("abort of KV pair %s failed", self.pair_id, exc_info=True)
 
 
-@dataclass(frozen=True, slots=True)
-class _SendJob:
-    request_id: str
-    block_ids: list[int]
-    release_after: bool
+class _Watchdog:
+    """One thread per endpoint that aborts pairs whose pull outlived its deadline.
+
+    NCCL operations never time out on the host side by themselves (the pull thread waits on a
+    CUDA event), so a dead or stuck peer is caught here. Lifecycle: start in the endpoint's
+    constructor, `stop` in its close.
+    """
+
+    def __init__(self, pairs: dict, lock: threading.Lock, period_s: float = WATCHDOG_PERIOD_S):
+        self._pairs, self._lock, self._period_s = pairs, lock, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-nccl-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period_s):
+            now = time.monotonic()
+            with self._lock:
+                entries = list(self._pairs.values())
+            for entry in entries:
+                pair = entry[0] if isinstance(entry, tuple) else entry
+                if pair.deadline is not None and now > pair.deadline:
+                    logger.warning("KV pair %s: pull exceeded %.0f s, aborting", pair.pair_id, pair.timeout_s)
+                    pair.abort()
 
 
 class NcclSource(GrpcSource):
     """A GrpcSource that also sends blocks over per-pair torch.distributed groups.
 
-    Takes GrpcSource's arguments plus `staging_bytes` and `pair_timeout_s`. Each pair has its
-    own thread that joins the group, then runs the pair's sends in order.
+    Takes GrpcSource's arguments plus `staging_bytes` (per buffer) and `pair_timeout_s`. Each
+    pair has its own thread: it joins the group, accepts the control connection, then serves
+    the pair's pulls in order until the sink goes away or the source closes.
     """
 
     def __init__(
@@ -178,17 +227,15 @@ class NcclSource(GrpcSource):
         self._region_nbytes = [r.info().block_nbytes for r in regions]
         self.staging_bytes = max(staging_bytes, *self._region_nbytes)
         self.pair_timeout_s = pair_timeout_s
-        self._pairs: dict[str, tuple[_Pair, queue.Queue[_SendJob | None]]] = {}
+        self._pairs: dict[str, tuple[_Pair, socket.socket]] = {}
         self._pairs_lock = threading.Lock()
         self._closing = False
         super().__init__(layout, regions, **grpc_options)
+        self._watchdog = _Watchdog(self._pairs, self._pairs_lock)
 
     def serve_setup_communicator(self, pair_id: str, backend: str) -> tuple[str, bytes]:
-        """Server thread, once per pair: hosts the pair's store and starts joining as rank 0.
-
-        Returns at once (the group forms when the sink joins) with the store's address and the
-        pair settings both ends must share.
-        """
+        """Server thread, once per pair: hosts the pair's store and control listener and starts
+        the pair thread. Returns at once with the store's address and the pair settings."""
         if backend != self.backend:
             raise KVTransportError(
                 f"backend mismatch: source uses {self.backend}, sink asked for {backend!r}"
@@ -196,143 +243,217 @@ class NcclSource(GrpcSource):
         timeout = datetime.timedelta(seconds=self.pair_timeout_s)
         store = dist.TCPStore(self.host, 0, 2, True, timeout, wait_for_workers=False)
         pair = _Pair(pair_id, self.backend, self.device, self.pair_timeout_s, self.staging_bytes, store)
-        jobs: queue.Queue[_SendJob | None] = queue.Queue()
+        listener = control.listen(self.host)
+        key = secrets.token_bytes(32)
         with self._pairs_lock:
-            if pair_id in self._pairs:
-                raise ValueError(f"pair {pair_id!r} already exists")
-            self._pairs[pair_id] = (pair, jobs)
+            if pair_id in self._pairs or self._closing:
+                listener.close()
+                raise ValueError(f"pair {pair_id!r} already exists or the source is closing")
+            self._pairs[pair_id] = (pair, listener)
         threading.Thread(
-            target=self._serve_pair, args=(pair, jobs), name=f"kv-pair-{pair_id}", daemon=True
+            target=self._serve_pair, args=(pair, listener, key), name=f"kv-pair-{pair_id}", daemon=True
         ).start()
-        settings = {"timeout_s": self.pair_timeout_s, "staging_bytes": self.staging_bytes}
-        return f"{self.host}:{store.port}", msgpack.packb(settings)
-
-    def serve_pull_nccl(
-        self, pair_id: str, request_id: str, block_ids: list[int], release_after: bool
-    ) -> int:
-        """Server thread, once per pull: checks the pin and queues the send. Returns the bytes
-        that will be sent; raises KVTransportError (unknown pair) or LookupError/ValueError
-        (unknown request or block)."""
-        with self._pairs_lock:
-            entry = self._pairs.get(pair_id)
-        if entry is None:  # not the request's fault: the sink must set up a new pair
-            raise KVTransportError(f"unknown or broken KV pair {pair_id!r}")
-        self.open_read(request_id, block_ids)
-        entry[1].put(_SendJob(request_id, block_ids, release_after))
-        return len(block_ids) * sum(self._region_nbytes)
+        settings = {
+            "timeout_s": self.pair_timeout_s,
+            "staging_bytes": self.staging_bytes,
+            "control_port": listener.getsockname()[1],
+            "control_key": key,
+        }
+        return f"{self.host}:{store.port}", msgpack.packb(settings, use_bin_type=True)
 
     def close(self) -> None:
-        """Stops the gRPC server, then every pair thread, then drops the pins."""
+        """Stops the gRPC server, then every pair (its thread sees the abort), then the pins."""
         with self._pairs_lock:
             self._closing = True
             pairs, self._pairs = list(self._pairs.values()), {}
+        self._watchdog.stop()
         try:
             super().close()
         finally:
-            for pair, jobs in pairs:
-                jobs.put(None)
+            for pair, listener in pairs:
+                listener.close()
                 pair.abort()
 
-    def _serve_pair(self, pair: _Pair, jobs: queue.Queue[_SendJob | None]) -> None:
+    def _serve_pair(self, pair: _Pair, listener: socket.socket, key: bytes) -> None:
         try:
             pair.join(rank=0, host=self.host)
-            while (job := jobs.get()) is not None:
-                self._run_send(pair, job)
+            pair.control = control.accept(listener, key, pair.timeout_s)
+            while True:
+                conn = pair.control
+                if conn is None:
+                    break
+                header = control.PullHeader.from_wire(control.recv_frame(conn))
+                self._serve_pull(pair, conn, header)
         except Exception as exc:  # noqa: BLE001 - a broken pair is dropped; its sink fails its pull
-            level = logging.DEBUG if self._closing else logging.WARNING
-            logger.log(level, "KV pair %s broke: %s", pair.pair_id, exc)
+            closed = self._closing or isinstance(exc, ConnectionError)
+            logger.log(logging.DEBUG if closed else logging.WARNING, "KV pair %s ended: %s", pair.pair_id, exc)
         finally:
             with self._pairs_lock:
                 self._pairs.pop(pair.pair_id, None)
-            self._fail_queued(jobs)
+            listener.close()
             pair.abort()
 
-    def _run_send(self, pair: _Pair, job: _SendJob) -> None:
+    def _serve_pull(self, pair: _Pair, conn: socket.socket, header: control.PullHeader) -> None:
+        """Pair thread, once per pull: answers, then sends the blocks (stale bytes if refused)."""
+        try:
+            self.open_read(header.request_id, header.block_ids)
+        except (LookupError, ValueError) as exc:
+            control.send_frame(conn, control.reply_to_wire(str(exc)))
+            self._send(pair, header.block_ids, gather=False)
+            return
         sent = False
         try:
-            self._send(pair, job.block_ids)
+            control.send_frame(conn, control.reply_to_wire(None))
+            self._send(pair, header.block_ids, gather=True)
             sent = True
         finally:
-            self.close_read(job.request_id, release=sent and job.release_after)
+            self.close_read(header.request_id, release=sent and header.release_after)
 
-    def _send(self, pair: _Pair, block_ids: list[int]) -> None:
-        staging = pair.staging
-        deadline = time.monotonic() + pair.timeout_s
+    def _send(self, pair: _Pair, block_ids: list[int], *, gather: bool) -> None:
+        """Gathers and sends the pull's batches, alternating staging buffers; returns once the
+        last send is done (so the blocks may be freed and staging reused)."""
+        pair.deadline = time.monotonic() + pair.timeout_s
+        pending: list = [None, None]
         with _on_stream(pair):
-            index = blocks.block_index(block_ids, pair.device)  # on the stream that uses it
-            for batch in plan(self._region_nbytes, len(block_ids), pair.staging_bytes):
-                for piece, offset in batch:
-                    blocks.gather(self.regions[piece.region], index, piece, staging[offset:])
+            index = blocks.block_index(block_ids, pair.device) if gather else None
+            for i, batch in enumerate(plan(self._region_nbytes, len(block_ids), pair.staging_bytes)):
+                slot = i % 2
+                if pending[slot] is not None:
+                    pending[slot].wait()  # that buffer's last send is done (CUDA: the stream waits)
+                staging = pair.staging[slot]
+                if index is not None:
+                    for piece, offset in batch:
+                        blocks.gather(self.regions[piece.region], index, piece, staging[offset:])
                 # Looked up per batch: close() may abort the pair between two sends.
-                pair.live_group().send([staging[: blocks.batch_nbytes(batch)]], 1, 0).wait()
-        # The blocks may be freed once every gather has read them: wait for the stream.
-        wait_stream(pair.stream, deadline)
+                pending[slot] = pair.live_group().send([staging[: blocks.batch_nbytes(batch)]], 1, slot)
+            for work in pending:
+                if work is not None:
+                    work.wait()
+        pair.finish_stream()
+        pair.deadline = None
 
-    def _fail_queued(self, jobs: queue.Queue[_SendJob | None]) -> None:
-        while True:
-            try:
-                job = jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                self.close_read(job.request_id, release=False)
+
+@dataclass(slots=True)
+class PullTrace:
+    """Where one NCCL pull's time went (seconds from start_pull), kept when tracing."""
+
+    request_id: str
+    nbytes: int
+    thread_start: float = 0.0  # the pull thread picked it up
+    header_sent: float = 0.0  # the control frame left
+    queued: float = 0.0  # every receive and scatter is queued
+    data_done: float = 0.0  # the GPU finished the last scatter (host saw it)
+    reply_read: float = 0.0  # the source's answer was read; the pull ends right after
+    gpu_s: float | None = None  # CUDA events: first receive queued to last scatter done
 
 
 class NcclSink(GrpcSink):
-    """A GrpcSink whose pulls move over per-pair groups; takes GrpcSink's arguments.
+    """A GrpcSink whose pulls move over per-pair groups; takes GrpcSink's arguments, plus
+    `trace` (keep a PullTrace per pull in `traces`, for benchmarks).
 
     The first pull from a source sets the pair up (one SetupCommunicator round trip plus the
-    group's rendezvous); later pulls cost one PullBlocksNccl round trip plus the transfer.
+    rendezvous); later pulls cost one control frame each way plus the transfer.
     """
 
-    def __init__(self, layout: KVLayoutSpec, regions: Sequence[BlockRegion], **grpc_options):
+    def __init__(
+        self, layout: KVLayoutSpec, regions: Sequence[BlockRegion], *, trace: bool = False, **grpc_options
+    ):
         self.backend, self.device = backend_for(regions)
         self._pairs: dict[str, _Pair] = {}
         self._pair_locks: dict[str, threading.Lock] = {}
+        self.traces: deque[PullTrace] | None = deque(maxlen=_TRACE_LEN) if trace else None
         super().__init__(layout, regions, **grpc_options)
+        self._watchdog = _Watchdog(self._pairs, self._lock)
 
     def close(self) -> None:
         """Closes like GrpcSink, then aborts every pair."""
-        super().close()
+        self._watchdog.stop()
         with self._lock:
             pairs, self._pairs = list(self._pairs.values()), {}
         for pair in pairs:
             pair.abort()
+        super().close()
 
     def _pull(
         self, session: SourceSession, transfer: KVTransfer, src: list[int], dst: list[int], release: bool
     ) -> None:
-        """Pull thread: one PullBlocksNccl round trip, then the batches over the pair."""
+        """Pull thread: header out, receives queued, one wait, then the source's reply."""
         address = session.info.address
+        trace = self._start_trace(transfer, len(dst))
         pair = self._pair(session)
         with pair.lock:
-            request = pb.PullBlocksNcclRequest(
-                pair_id=pair.pair_id, request_id=transfer.request_id, block_ids=src, release_after=release
-            )
             try:
-                session.stub.PullBlocksNccl(request, timeout=HANDSHAKE_TIMEOUT_S, metadata=session.metadata)
-            except grpc.RpcError as exc:
-                if exc.code() not in _REQUEST_ERRORS:  # the pair (or the source) is gone
-                    self._drop_pair(address, pair)
-                raise
-            try:
-                self._receive_batches(pair, transfer, dst)
+                conn = pair.control
+                if conn is None:
+                    raise KVTransportError("control connection closed")
+                control.send_frame(conn, control.PullHeader(transfer.request_id, src, release).to_wire())
+                self._stamp(trace, transfer, "header_sent")
+                self._receive_batches(pair, transfer, dst, trace)
+                refusal = control.reply_from_wire(control.recv_frame(conn))
+                self._stamp(trace, transfer, "reply_read")
             except Exception as exc:
                 self._drop_pair(address, pair)  # its message order is unknown now
                 raise KVTransportError(f"{self.backend} receive from {address} failed: {exc}") from exc
+        if refusal is not None:  # the pair is still in step: only this request failed
+            raise KVTransportError(f"refused by {address}: {refusal}")
 
-    def _receive_batches(self, pair: _Pair, transfer: KVTransfer, dst: list[int]) -> None:
-        group, staging = pair.live_group(), pair.staging
-        deadline = time.monotonic() + pair.timeout_s
+    def _receive_batches(
+        self, pair: _Pair, transfer: KVTransfer, dst: list[int], trace: PullTrace | None
+    ) -> None:
         region_nbytes = [r.block_nbytes for r in self.region_infos]
+        batches = plan(region_nbytes, len(dst), pair.staging_bytes)
+        pending: dict[int, object] = {}
+        timing = self._gpu_timing(pair, trace)
+        pair.deadline = time.monotonic() + pair.timeout_s
+
+        def post(i: int) -> None:
+            staging = pair.staging[i % 2][: blocks.batch_nbytes(batches[i])]
+            pending[i] = pair.live_group().recv([staging], 0, i % 2)
+
         with _on_stream(pair):
             index = blocks.block_index(dst, pair.device)
-            for batch in plan(region_nbytes, len(dst), pair.staging_bytes):
-                group.recv([staging[: blocks.batch_nbytes(batch)]], 0, 0).wait()
+            if timing:
+                timing[0].record()
+            for i in range(min(2, len(batches))):
+                post(i)
+            for i, batch in enumerate(batches):
+                pending.pop(i).wait()  # CUDA: the stream waits; gloo: the data is here
+                staging = pair.staging[i % 2]
                 for piece, offset in batch:
                     blocks.scatter(self.regions[piece.region], index, piece, staging[offset:])
-                    transfer.add_bytes(piece.nbytes)
-        wait_stream(pair.stream, deadline)
+                if pair.stream is None:
+                    transfer.add_bytes(sum(piece.nbytes for piece, _ in batch))
+                if i + 2 < len(batches):
+                    post(i + 2)  # into the buffer just scattered: queued after that scatter
+            if timing:
+                timing[1].record()
+        self._stamp(trace, transfer, "queued")
+        pair.finish_stream()
+        pair.deadline = None
+        if pair.stream is not None:
+            transfer.add_bytes(len(dst) * sum(region_nbytes))
+        self._stamp(trace, transfer, "data_done")
+        if timing and trace is not None:
+            trace.gpu_s = timing[0].elapsed_time(timing[1]) / 1e3
+
+    def _start_trace(self, transfer: KVTransfer, num_blocks: int) -> PullTrace | None:
+        if self.traces is None:
+            return None
+        nbytes = num_blocks * sum(r.block_nbytes for r in self.region_infos)
+        trace = PullTrace(transfer.request_id, nbytes, thread_start=transfer.elapsed_s)
+        self.traces.append(trace)
+        return trace
+
+    @staticmethod
+    def _stamp(trace: PullTrace | None, transfer: KVTransfer, phase: str) -> None:
+        if trace is not None:
+            setattr(trace, phase, transfer.elapsed_s)
+
+    @staticmethod
+    def _gpu_timing(pair: _Pair, trace: PullTrace | None) -> tuple[torch.cuda.Event, ...] | None:
+        if trace is None or pair.stream is None:
+            return None
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def _pair(self, session: SourceSession) -> _Pair:
         address = session.info.address
@@ -362,7 +483,14 @@ class NcclSink(GrpcSink):
         pair = _Pair(
             pair_id, self.backend, self.device, settings["timeout_s"], settings["staging_bytes"], store
         )
-        pair.join(rank=1, host=local_ip_towards(host))
+        try:
+            pair.join(rank=1, host=local_ip_towards(host))
+            pair.control = control.connect(
+                host, settings["control_port"], settings["control_key"], settings["timeout_s"]
+            )
+        except BaseException:
+            pair.abort()
+            raise
         return pair
 
     def _drop_pair(self, address: str, pair: _Pair) -> None:
@@ -372,15 +500,20 @@ class NcclSink(GrpcSink):
         pair.abort()
 
 
-def _decode_settings(params: bytes) -> dict[str, float | int]:
-    """Pair settings from the network: msgpack of plain numbers only, checked before use."""
+def _decode_settings(params: bytes) -> dict[str, float | int | bytes]:
+    """Pair settings from the network: msgpack of plain values only, checked before use."""
     settings = msgpack.unpackb(params, raw=False, strict_map_key=True)
     if not isinstance(settings, dict):
         raise KVTransportError("malformed pair settings from the KV source")
     for key, kind in _SETTINGS_KEYS.items():
         if not isinstance(settings.get(key), kind) or isinstance(settings.get(key), bool):
             raise KVTransportError(f"malformed pair setting {key!r} from the KV source")
-    if not 0 < settings["staging_bytes"] <= 1 << 32 or not 0 < settings["timeout_s"] <= 3600:
+    if (
+        not 0 < settings["staging_bytes"] <= 1 << 32
+        or not 0 < settings["timeout_s"] <= 3600
+        or not 0 < settings["control_port"] < 65536
+        or len(settings["control_key"]) != 32
+    ):
         raise KVTransportError("pair settings from the KV source out of range")
     return settings
 

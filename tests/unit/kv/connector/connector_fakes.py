@@ -18,7 +18,14 @@ import torch
 from pdserve.kv.connector.config import ConnectorConfig
 from pdserve.kv.connector.metadata import WorkerEndpoint
 from pdserve.kv.connector.scheduler import SchedulerSide
-from pdserve.kv.transport.base import BlockRegion, BlockSink, BlockSource, KVLayoutSpec, ReleaseCallback
+from pdserve.kv.transport.base import (
+    WIRE_VERSION,
+    BlockRegion,
+    BlockSink,
+    BlockSource,
+    KVLayoutSpec,
+    ReleaseCallback,
+)
 from pdserve.kv.transport.fake import FakeFabric, FakeSink, FakeSource
 
 BLOCK = 128
@@ -69,7 +76,7 @@ def remote_params(
         "remote_block_ids": list(range(first_block, first_block + n)),
         "num_prompt_tokens": num_prompt_tokens,
         "transport": "grpc",
-        "wire_version": 1,
+        "wire_version": WIRE_VERSION,
     }
 
 
