@@ -12,13 +12,19 @@ is each requested size, through:
 With two or more GPUs the source's KV lives on cuda:0 and the sink's on cuda:1 (vLLM GPU layout
 per layer [2, num_blocks, 16, 8, 128]); otherwise on CPU (CPU vLLM layout [num_blocks, 8, 128, 256]).
 Each figure is the median of `--repeats` timed pulls after one warm-up pull (handshake, pair
-setup), timed from start_pull to DONE. Not a test: nothing asserts on speed.
+setup), timed from start_pull to DONE. On CUDA the NCCL rows also give where a pull's time went
+(the sink's PullTrace: thread start, header sent, all ops queued, GPU done, reply read) and the
+GPU-side bandwidth (CUDA events from the first receive queued to the last scatter done).
+`--gil-load` runs a pure-Python busy thread in both processes during the pulls, as a vLLM
+engine's loop does, to show what thread hand-offs cost there. Not a test: nothing asserts on speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import inspect
 import json
 import multiprocessing
 import platform
@@ -26,6 +32,7 @@ import random
 import socket
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -84,10 +91,33 @@ def pick_shape(device: str) -> Shape:
     return Shape("cpu", "cpu", CPU_BLOCK_TOKENS)
 
 
-def run_source(conn, shape: Shape, num_blocks: int, staging_bytes: int) -> None:
+@contextlib.contextmanager
+def busy_python(enabled: bool):
+    """A thread that runs pure Python (holding the GIL) while enabled, like an engine's loop."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(2000))
+
+    thread = threading.Thread(target=spin, daemon=True) if enabled else None
+    if thread:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+
+
+def run_source(conn, shape: Shape, num_blocks: int, staging_bytes: int, gil_load: bool = False) -> None:
     """Child process: an NcclSource over `num_blocks` blocks; pins and raw-socket sends on request."""
     if shape.source_device.startswith("cuda"):
         torch.cuda.set_device(shape.source_device)
+    with busy_python(gil_load):
+        _serve_source(conn, shape, num_blocks, staging_bytes)
+
+
+def _serve_source(conn, shape: Shape, num_blocks: int, staging_bytes: int) -> None:
     source = NcclSource(
         shape.layout(),
         shape.regions(num_blocks, shape.source_device),
@@ -124,7 +154,7 @@ class Bench:
         self.pipe, child_end = context.Pipe()
         staging_bytes = args.staging_mib << 20
         self.child = context.Process(
-            target=run_source, args=(child_end, shape, num_blocks, staging_bytes), daemon=True
+            target=run_source, args=(child_end, shape, num_blocks, staging_bytes, args.gil_load), daemon=True
         )
         self.child.start()
         self.address = self.pipe.recv()
@@ -174,11 +204,13 @@ class Bench:
     def peer_copy_baseline(self, nbytes: int) -> list[float]:
         """torch peer copy cuda:0 -> cuda:1 of one contiguous buffer."""
         source = torch.empty(nbytes, dtype=torch.uint8, device=self.shape.source_device)
+        target = torch.empty(nbytes, dtype=torch.uint8, device=self.shape.sink_device)
         seconds = []
         for attempt in range(self.args.repeats + 1):
             torch.cuda.synchronize(self.shape.source_device)
+            torch.cuda.synchronize(self.shape.sink_device)
             started = time.perf_counter()
-            source.to(self.shape.sink_device)
+            target.copy_(source)
             torch.cuda.synchronize(self.shape.sink_device)
             if attempt:
                 seconds.append(time.perf_counter() - started)
@@ -195,6 +227,8 @@ class Result:
     size_bytes: int
     seconds: list[float]
     baseline_of: str = ""
+    phases_ms: dict[str, float] | None = None  # NCCL pulls: median ms from start_pull to each phase
+    gpu_gbps: float | None = None  # NCCL pulls on CUDA: bytes / GPU time (CUDA events)
 
     @property
     def gbps(self) -> float:
@@ -207,10 +241,15 @@ def run(args: argparse.Namespace) -> tuple[Shape, list[Result]]:
     num_blocks = int(max(sizes) / shape.block_bytes() * KV_SLACK) + 1
     bench = Bench(args, shape, num_blocks)
     layout, results = shape.layout(), []
+    tracing = {"trace": True} if "trace" in inspect.signature(NcclSink.__init__).parameters else {}
     sinks = {
         "grpc": GrpcSink(layout, bench.dst_regions, engine_id="bench-decode-grpc", cluster_token=TOKEN),
-        "nccl": NcclSink(layout, bench.dst_regions, engine_id="bench-decode-nccl", cluster_token=TOKEN),
+        "nccl": NcclSink(
+            layout, bench.dst_regions, engine_id="bench-decode-nccl", cluster_token=TOKEN, **tracing
+        ),
     }
+    wanted = args.transports.split(",")
+    sinks = {name: sink for name, sink in sinks.items() if name in wanted}
     remote_pin = lambda rid, ids: bench.command("pin", rid, ids)
     fabric = FakeFabric()
     fake_source = FakeSource(
@@ -224,30 +263,40 @@ def run(args: argparse.Namespace) -> tuple[Shape, list[Result]]:
         layout, bench.dst_regions, engine_id="fake-decode", cluster_token=TOKEN, fabric=fabric
     )
     try:
-        for size in sizes:
-            blocks_per_pull = max(1, size // shape.block_bytes())
-            nbytes = blocks_per_pull * shape.block_bytes()
-            for name, sink in sinks.items():
-                results.append(
-                    Result(name, nbytes, bench.time_pulls(sink, blocks_per_pull, bench.address, remote_pin))
-                )
-            results.append(
-                Result(
-                    "fake",
-                    nbytes,
-                    bench.time_pulls(fake_sink, blocks_per_pull, fake_source.address, fake_source.pin),
-                )
-            )
-            results.append(Result("raw-socket", nbytes, bench.socket_baseline(nbytes), "grpc, gloo"))
-            if shape.source_device.startswith("cuda"):
-                results.append(Result("peer-copy", nbytes, bench.peer_copy_baseline(nbytes), "nccl"))
-            print_rows(results[-5:] if shape.source_device.startswith("cuda") else results[-4:], shape)
+        with busy_python(args.gil_load):
+            for size in sizes:
+                first = len(results)
+                blocks_per_pull = max(1, size // shape.block_bytes())
+                nbytes = blocks_per_pull * shape.block_bytes()
+                for name, sink in sinks.items():
+                    seconds = bench.time_pulls(sink, blocks_per_pull, bench.address, remote_pin)
+                    results.append(Result(name, nbytes, seconds, "", *trace_summary(sink, args.repeats)))
+                if "fake" in wanted:
+                    seconds = bench.time_pulls(fake_sink, blocks_per_pull, fake_source.address, fake_source.pin)
+                    results.append(Result("fake", nbytes, seconds))
+                if "raw-socket" in wanted:
+                    results.append(Result("raw-socket", nbytes, bench.socket_baseline(nbytes), "grpc, gloo"))
+                if shape.source_device.startswith("cuda"):
+                    results.append(Result("peer-copy", nbytes, bench.peer_copy_baseline(nbytes), "nccl"))
+                print_rows(results[first:], shape)
     finally:
         for sink in [*sinks.values(), fake_sink]:
             sink.close()
         fake_source.close()
         bench.close()
     return shape, results
+
+
+def trace_summary(sink, repeats: int) -> tuple[dict[str, float] | None, float | None]:
+    """Median phase times (ms) and GPU-side GB/s of the sink's last `repeats` pulls, if traced."""
+    traces = list(getattr(sink, "traces", None) or [])[-repeats:]
+    if not traces:
+        return None, None
+    phases = ("thread_start", "header_sent", "queued", "data_done", "reply_read")
+    medians = {p: statistics.median(getattr(t, p) for t in traces) * 1e3 for p in phases}
+    gpu = [t.gpu_s for t in traces if t.gpu_s]
+    gbps = traces[0].nbytes / statistics.median(gpu) / 1e9 if gpu else None
+    return medians, gbps
 
 
 def print_rows(rows: list[Result], shape: Shape) -> None:
@@ -258,6 +307,9 @@ def print_rows(rows: list[Result], shape: Shape) -> None:
             else "nccl(gloo)"
         )
         note = f"baseline for {row.baseline_of}" if row.baseline_of else ""
+        if row.phases_ms:
+            note = "phases ms: " + " ".join(f"{k}={v:.3f}" for k, v in row.phases_ms.items())
+            note += f"  gpu {row.gpu_gbps:.1f} GB/s" if row.gpu_gbps else ""
         print(
             f"{name:<12} {row.size_bytes / 2**20:>9.0f} {statistics.median(row.seconds) * 1e3:>10.2f} "
             f"{row.gbps:>8.2f}  {note}",
@@ -281,6 +333,14 @@ def main() -> int:
         default=DEFAULT_STAGING_BYTES >> 20,
         help="NCCL/gloo staging buffer per pair (the batch size of one send)",
     )
+    parser.add_argument(
+        "--transports",
+        default="grpc,nccl,fake,raw-socket",
+        help="comma-separated subset of grpc,nccl,fake,raw-socket (peer-copy always runs on 2 GPUs)",
+    )
+    parser.add_argument(
+        "--gil-load", action="store_true", help="a busy pure-Python thread in both processes (as in an engine)"
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     shape = pick_shape(args.device)
@@ -299,6 +359,8 @@ def main() -> int:
             "shape": asdict(shape),
             "repeats": args.repeats,
             "staging_mib": args.staging_mib,
+            "gil_load": args.gil_load,
+            "command": sys.argv,
             "results": [dict(asdict(r), gbps_median=r.gbps) for r in results],
         }
         args.out.write_text(json.dumps(payload, indent=2))
