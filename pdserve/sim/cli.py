@@ -30,7 +30,7 @@ from pdserve.scheduler.routing import SloTargets
 from pdserve.sim import profile as profile_cmd
 from pdserve.sim.cells import scale_totals, split
 from pdserve.sim.engine_profile import EngineProfile
-from pdserve.sim.results import LatencyRecorder, plot_pool_sizes, run_json
+from pdserve.sim.results import LatencyRecorder, bench_result, plot_pool_sizes, run_json
 from pdserve.sim.runner import SimConfig, Simulation, Topology
 from pdserve.sim.search import search_autoscaled, search_static
 from pdserve.sim.workload import Workload, at_rate, bursty, diurnal, from_curve, mooncake
@@ -230,6 +230,10 @@ def _run(args: argparse.Namespace) -> int:
         save_json(body, args.save_result)
     if args.plot_dir:
         plot_pool_sizes(run, args.plot_dir / "pool_sizes.png")
+        if not large:
+            from pdserve.bench.plots import plot_latency_cdfs
+            plot_latency_cdfs(bench_result(run, goodput, _percentiles(args)),
+                              args.plot_dir / "latency_cdf.png", f"simulated {run.config.topology.name}")
     return 0
 
 

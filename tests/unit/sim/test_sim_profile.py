@@ -1,0 +1,49 @@
+import json
+
+import pytest
+
+from pdserve.sim.engine_profile import EngineProfile
+from pdserve.sim.profile import kv_bytes_per_token, transfer_from_metrics
+
+pytestmark = pytest.mark.unit
+
+SMOLLM2 = {"num_hidden_layers": 30, "num_key_value_heads": 3, "num_attention_heads": 9,
+           "head_dim": 64, "hidden_size": 576, "dtype": "float32"}
+
+
+def test_kv_bytes_per_token_of_the_embedded_model():
+    # 30 layers x 3 KV heads x 64 x (K and V) x 4 bytes: a 128-token block is 5.9 MB, as measured.
+    assert kv_bytes_per_token(SMOLLM2) == 46080
+    assert kv_bytes_per_token(SMOLLM2) * 128 == 5_898_240
+    assert kv_bytes_per_token(SMOLLM2, "bfloat16") == 23040
+
+
+def test_transfer_rate_from_pdserve_metrics():
+    text = "\n".join([
+        "# HELP pdserve_kv_transfer_bytes_total bytes",
+        'pdserve_kv_transfer_bytes_total{transport="grpc"} 5.31e+07',
+        'pdserve_kv_transfer_seconds_sum{transport="grpc"} 0.6',
+        'pdserve_kv_transfer_seconds_count{transport="grpc"} 9.0',
+    ])
+    t = transfer_from_metrics(text)
+    assert t["bytes_per_s"] == pytest.approx(5.31e7 / 0.6) and t["pulls"] == 9
+    assert transfer_from_metrics("pdserve_requests_total 3\n") is None
+
+
+def test_a_recorded_profile_loads_into_the_simulator(tmp_path):
+    recorded = {"startup_s": 70.0, "ttft_single_ms": {"32": 300.0, "256": 860.0},
+                "prefill_tokens_per_s": {"isl256_batch4": 400.0},
+                "tpot_ms_by_batch": {"1": 100.0, "2": 110.0, "4": 130.0, "8": 170.0},
+                "kv_bytes_per_token": 46080, "block_size": 128, "num_kv_blocks": 182,
+                "max_num_seqs": 256, "max_num_batched_tokens": 4096,
+                "transfer": {"bytes_per_s": 8.85e7, "overhead_s": 0.0}}
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(recorded))
+    p = EngineProfile.load(path)
+    assert (p.block_size, p.num_kv_blocks, p.startup_s, p.name) == (128, 182, 70.0, "cpu")
+    assert p.perf.prefill_tokens_per_s == 400.0
+    assert p.perf.decode_step_s == pytest.approx(0.090) and p.perf.decode_step_per_seq_s == pytest.approx(0.010)
+    # overhead = mean(0.300 - 32/400, 0.860 - 256/400) = mean(0.22, 0.22)
+    assert p.perf.prefill_overhead_s == pytest.approx(0.22)
+    assert p.response_s == pytest.approx(0.22 - 0.090)
+    assert p.perf.transfer_s(128) == pytest.approx(128 * 46080 / 8.85e7)
