@@ -404,7 +404,7 @@ async def _tune(args: argparse.Namespace) -> int:
     tune_settings = TuneSettings(
         prune_drop=None if args.no_prune else args.prune_drop, gpus_per_engine=args.gpus_per_engine
     )
-    meta = {"command": shlex.join(sys.argv), "machine": _machine(),
+    meta = {"command": _command_line(), "machine": _machine(),
             "load_average_at_start": os.getloadavg()}
     done: list[Trial] = []
 
@@ -520,6 +520,16 @@ def _save_tune_outputs(args: argparse.Namespace, trials: Sequence[Trial], out: P
         bars = [(t.candidate.key, t.candidate.deployment.name, t.goodput_per_gpu) for t in measured]
         plot_goodput_ranking(bars, out / "tune.png")
     print(f"Saved {out / 'tune.json'} (+ tune.csv{'' if args.no_plots else ', tune.png'}, logs/)")
+
+
+def _command_line() -> str:
+    """This invocation as a user would type it (`python -m pdserve` shows up as pdserve/__main__.py)."""
+    program = Path(sys.argv[0])
+    if program.name == "__main__.py" and program.parent.name == "pdserve":
+        return shlex.join(["pdserve", *sys.argv[1:]])
+    if program.name == "cli.py" and program.parent.name == "bench":
+        return shlex.join(["python", "-m", "pdserve.bench.cli", *sys.argv[1:]])
+    return shlex.join(sys.argv)
 
 
 def _machine() -> str:
