@@ -62,6 +62,7 @@ from pdserve.bench.sweep import (
 from pdserve.bench.tokenizer import HFTokenizer, load_tokenizer
 from pdserve.bench.tune import (
     Candidate,
+    Probe,
     Trial,
     TrialStatus,
     TuneRecord,
@@ -461,9 +462,14 @@ async def _evaluate_candidate(
                      start_s=start_s, wall_s=time.monotonic() - began, load_1m=os.getloadavg()[0])
     finally:
         service.stop()  # synchronous: runs even when the search is cancelled (Ctrl-C)
-    probes = tuple((p.request_rate, p.attainment) for p in found.points)
+    probes = tuple(Probe(p.request_rate, p.attainment, _per_target(p.result)) for p in found.points)
     return Trial(candidate, TrialStatus.OK, num_gpus, found.max_goodput_rate, probes,
                  start_s=start_s, wall_s=time.monotonic() - began, load_1m=os.getloadavg()[0])
+
+
+def _per_target(result: BenchmarkResult) -> tuple[tuple[str, float], ...]:
+    attainment = result.metrics.attainment
+    return attainment.per_slo if attainment is not None else ()
 
 
 async def _start_service(
@@ -504,7 +510,8 @@ def _deployment_row(trial: Trial) -> ComparisonRow:
 def _save_tune_outputs(args: argparse.Namespace, trials: Sequence[Trial], out: Path) -> None:
     """tune.csv (one row per candidate) and, unless --no-plots, tune.png (goodput per GPU, ranked)."""
     columns = ("key", "deployment", "max_num_seqs", "max_num_batched_tokens", "status", "num_gpus",
-               "max_goodput_rate", "goodput_per_gpu", "probes", "start_s", "wall_s", "load_1m", "error")
+               "max_goodput_rate", "goodput_per_gpu", "probes", "by_target", "start_s", "wall_s", "load_1m",
+               "error")
     with (out / "tune.csv").open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(columns)
@@ -512,6 +519,9 @@ def _save_tune_outputs(args: argparse.Namespace, trials: Sequence[Trial], out: P
             row = trial_to_dict(trial)
             probes = row["probes"]
             row["probes"] = ";".join(f"{p['request_rate']:g}:{p['slo_attainment']:.3f}" for p in probes)
+            row["by_target"] = ";".join(
+                ",".join(f"{name}={share:.3f}" for name, share in p["by_target"].items()) for p in probes
+            )
             writer.writerow([row[c] for c in columns])
     measured = [t for t in rank_trials(trials) if t.status is TrialStatus.OK]
     if measured and not args.no_plots:

@@ -173,6 +173,16 @@ def plan_candidates(
     return plan
 
 
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One rate a goodput search tried: the share of requests meeting every target (`attainment`) and
+    each target alone (`by_target`, e.g. (("ttft", 0.8), ("tpot", 1.0))): which SLO gave way first."""
+
+    request_rate: float
+    attainment: float
+    by_target: tuple[tuple[str, float], ...] = ()
+
+
 class TrialStatus(str, Enum):
     OK = "ok"  # the goodput search ran (its best rate may be 0: no probed rate met the SLO)
     FAILED = "failed"  # the service did not start or the benchmark could not run
@@ -188,7 +198,7 @@ class Trial:
     status: TrialStatus
     num_gpus: int
     max_goodput_rate: float = 0.0
-    probes: tuple[tuple[float, float], ...] = ()
+    probes: tuple[Probe, ...] = ()
     error: str | None = None
     start_s: float | None = None  # service start to healthy
     wall_s: float | None = None  # whole trial, start to stop
@@ -335,7 +345,10 @@ def trial_to_dict(trial: Trial) -> dict[str, Any]:
         "num_gpus": trial.num_gpus,
         "max_goodput_rate": trial.max_goodput_rate,
         "goodput_per_gpu": trial.goodput_per_gpu,
-        "probes": [{"request_rate": rate, "slo_attainment": share} for rate, share in trial.probes],
+        "probes": [
+            {"request_rate": p.request_rate, "slo_attainment": p.attainment, "by_target": dict(p.by_target)}
+            for p in trial.probes
+        ],
         "error": trial.error,
         "start_s": trial.start_s,
         "wall_s": trial.wall_s,
@@ -356,7 +369,10 @@ def trial_from_dict(data: Mapping[str, Any]) -> Trial:
         status=TrialStatus(data["status"]),
         num_gpus=data["num_gpus"],
         max_goodput_rate=data["max_goodput_rate"],
-        probes=tuple((p["request_rate"], p["slo_attainment"]) for p in data["probes"]),
+        probes=tuple(
+            Probe(p["request_rate"], p["slo_attainment"], tuple(p.get("by_target", {}).items()))
+            for p in data["probes"]
+        ),
         error=data.get("error"),
         start_s=data.get("start_s"),
         wall_s=data.get("wall_s"),

@@ -14,6 +14,7 @@ from pdserve.bench.tune import (
     Candidate,
     Deployment,
     EngineKnobs,
+    Probe,
     Trial,
     TrialStatus,
     TuneRecord,
@@ -47,7 +48,7 @@ class FakeEvaluator:
         gpus = self.settings.num_gpus(candidate)
         if rate is None:
             return Trial(candidate, TrialStatus.FAILED, gpus, error="did not start")
-        return Trial(candidate, TrialStatus.OK, gpus, rate, probes=((rate, 0.95), (rate * 2, 0.5)))
+        return Trial(candidate, TrialStatus.OK, gpus, rate, probes=(Probe(rate, 0.95), Probe(rate * 2, 0.5)))
 
 
 def test_budget_gives_colocated_and_every_split() -> None:
@@ -186,7 +187,11 @@ def test_resume_refuses_a_record_made_with_other_settings() -> None:
 
 
 def test_trials_round_trip_through_json() -> None:
-    trial = Trial(_plan()[1], TrialStatus.OK, 2, 3.5, ((2.0, 1.0), (4.0, 0.5)), start_s=12.0, wall_s=60.0)
+    probes = (
+        Probe(2.0, 1.0, (("ttft", 1.0), ("tpot", 1.0))),
+        Probe(4.0, 0.5, (("ttft", 0.5), ("tpot", 0.9))),
+    )
+    trial = Trial(_plan()[1], TrialStatus.OK, 2, 3.5, probes, start_s=12.0, wall_s=60.0, load_1m=3.5)
     data = json.loads(json.dumps(trial_to_dict(trial)))
     assert trial_from_dict(data) == trial
     assert data["goodput_per_gpu"] == 1.75
@@ -246,6 +251,8 @@ def test_tune_cli_ranks_candidates_and_writes_json_csv_and_plot(
     assert all(t["max_goodput_rate"] == 50.0 and t["goodput_per_gpu"] == 25.0 for t in record["trials"])
     assert record["best"] == "colocated:2/seqs=4,tokens=default"  # a tie keeps plan order
     assert len((tmp_path / "tune.csv").read_text().splitlines()) == 3
+    probe = record["trials"][0]["probes"][0]
+    assert probe == {"request_rate": 50.0, "slo_attainment": 1.0, "by_target": {"ttft": 1.0, "tpot": 1.0}}
     assert (tmp_path / "tune.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "Best of each deployment" in out and "1.00x" in out
