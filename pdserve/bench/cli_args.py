@@ -335,7 +335,10 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
         help="Ray CPUs each engine reserves in every pool (below 1 to fit N engines on a small host)",
     )
     group.add_argument(
-        "--gpus-per-engine", type=_positive_int, default=1, help="GPUs per engine (tensor parallel)"
+        "--gpus-per-engine",
+        type=_positive_int,
+        default=1,
+        help="GPUs each engine uses, for per-GPU goodput (set tensor parallelism itself in --serve-args)",
     )
     group.add_argument(
         "--prune-drop",
