@@ -71,6 +71,7 @@ class SimEngine:
                  on_kv_change: Callable[[SimEngine], None],
                  on_step: Callable[[SimEngine, float], None],
                  on_pulled: Callable[[SimRequest, SimEngine], None],
+                 on_idle: Callable[[SimEngine], None] | None = None,
                  record_steps: bool = False, skip_steps: bool = True) -> None:
         self.replica_id = replica_id
         self.pool = pool
@@ -81,6 +82,7 @@ class SimEngine:
         self._on_kv_change = on_kv_change
         self._on_step = on_step
         self._on_pulled = on_pulled
+        self._on_idle = on_idle
         self.waiting: deque[SimRequest] = deque()  # prefill not done, FCFS
         self._admitted = 0  # waiting[:_admitted] hold their blocks
         self._pulls: deque[SimRequest] = deque()  # decode legs waiting for blocks
@@ -233,6 +235,8 @@ class SimEngine:
             seats -= 1
         if not chunks and self.batch == 0:
             self.busy = False
+            if self._on_idle is not None and self.idle:
+                self._on_idle(self)
             return
         context = self._ctx_sum + self.batch * k if p.decode_ctx_s_per_token else 0
         duration = p.step_s(prefill_tokens, self.batch, context)

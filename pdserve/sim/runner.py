@@ -166,7 +166,7 @@ class Simulation:
         rid = f"{pool}-{index}"
         p = self.config.profile
         engine = SimEngine(rid, pool, p, self.queue, self._first_token, self._finished,
-                           self._kv_changed, self._stepped, self._pulled,
+                           self._kv_changed, self._stepped, self._pulled, self._maybe_remove,
                            self.config.record_itls, self.config.skip_steps)
         engine.draining = False
         self._engines[pool][rid] = engine

@@ -98,8 +98,14 @@ def test_autoscaler_adds_engines_under_load_and_drains_them_after(profile):
     # A new engine takes no request before its start-up delay is over.
     served = [r for r in run.requests if r.decode_engine in added]
     assert served and min(r.arrival for r in served) >= first_added + profile.startup_s
-    assert any(e.removed is not None for e in added)  # drained engines go away once idle
-    assert run.gpu_hours() < len(run.engines) * run.end_s / 3600
+    drained = [e for e in run.engines if e.draining]
+    assert len(drained) == len(downs)
+    assert all(e.removed is not None for e in drained)  # drained engines go away once idle
+    # Never more than the upper bound provisioned at once (draining engines included).
+    for t in [e.created for e in run.engines]:
+        alive = [e for e in run.engines if e.created <= t and (e.removed is None or e.removed > t)]
+        assert len(alive) <= 6
+    assert run.gpu_hours() < 6 * run.end_s / 3600
 
 
 def test_rejections_count_as_failed_requests(profile):
