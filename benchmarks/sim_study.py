@@ -15,7 +15,9 @@ Arms (bounds and static sizes are per cell; x cells for the deployment):
   >= 99% attainment at 2 x 6 req/s, found with pdserve.sim.search);
 - static-base: enough for the diurnal peak without bursts (4: >= 99% at 6 req/s);
 - pdserve: the production Autoscaler (policy.decide), bounds [1, max], from 2 engines;
-- ttft-only: reactive p99-TTFT rule (pdserve.sim.baselines), same bounds and start.
+- ttft-only: reactive p99-TTFT rule (pdserve.sim.baselines), same bounds and start;
+- pdserve-tuned: the production autoscaler with a stricter scale-down (downscale_utilization
+  0.3, 12 intervals) and a floor of 2 engines per cell.
 
     .venv/bin/python benchmarks/sim_study.py --out benchmarks/results/sim/study --arm pdserve
     ... (one process per arm; they are independent) ...
@@ -35,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.autoscaler.policy import PoolBounds  # noqa: E402
+from pdserve.autoscaler.policy import PoolBounds, ScalingPolicy  # noqa: E402
 from pdserve.bench.metrics import SLOTargets  # noqa: E402
 from pdserve.bench.report import save_json  # noqa: E402
 from pdserve.scheduler.routing import SloTargets  # noqa: E402
@@ -49,11 +51,15 @@ CALIBRATION = Path(__file__).resolve().parents[2] / "shared/calibration/h200-vll
 SHAPE = "summarization"
 SLO = SloTargets(ttft_s=1.5, tpot_s=0.03)
 GOODPUT = SLOTargets(ttft_ms=1500, tpot_ms=30)
-ARMS = {  # name: (initial engines per cell, bounds per cell or None, autoscaler)
-    "static-peak": (7, None, None),
-    "static-base": (4, None, None),
-    "pdserve": (2, (1, 10), "pdserve"),
-    "ttft-only": (2, (1, 10), "ttft_only"),
+ARMS = {  # name: (initial engines per cell, bounds per cell or None, autoscaler, policy changes)
+    "static-peak": (7, None, None, {}),
+    "static-base": (4, None, None, {}),
+    "pdserve": (2, (1, 10), "pdserve", {}),
+    "ttft-only": (2, (1, 10), "ttft_only", {}),
+    # The production policy with a stricter scale-down rule, floor 2 (what the default arm's
+    # flapping at the trough suggests).
+    "pdserve-tuned": (2, (2, 10), "pdserve", {"downscale_utilization": 0.3,
+                                              "downscale_intervals": 12}),
 }
 
 
@@ -72,11 +78,12 @@ def workload(args):
 
 
 def run_arm(args) -> None:
-    start, bounds, scaler = ARMS[args.arm]
+    start, bounds, scaler, changes = ARMS[args.arm]
     curve, wl = workload(args)
     topo = Topology.colocated(start, PoolBounds(*bounds) if bounds else None)
-    config = SimConfig(profile(), topo, SLO, autoscaler=scaler or "pdserve",
-                       autoscale_interval_s=10.0, record_itls=False, keep_requests=False)
+    config = SimConfig(profile(), topo, SLO, scaling=ScalingPolicy(**changes),
+                       autoscaler=scaler or "pdserve", autoscale_interval_s=10.0,
+                       record_itls=False, keep_requests=False)
     sim = Simulation(config)
     rec = LatencyRecorder(len(wl), config.profile.response_s)
     sim.on_request_done = rec

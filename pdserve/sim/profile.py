@@ -4,8 +4,12 @@ The profile is the JSON the simulator (and `PerfModel.from_calibration`) reads, 
 ../shared/calibration/h200-vllm0.24-llama8b.json:
 
 - `ttft_single_ms`: prompt length -> median TTFT of one request alone (max_tokens=1);
-- `prefill_tokens_per_s`: "isl{L}_batch{B}" -> prompt tokens per second when B prompts of L
-  tokens arrive together (max_tokens=1; wall time from the first send to the last first token);
+- `prefill_tokens_per_s`: {"ttft_slope": 1 / slope of the least-squares line through
+  `ttft_single_ms`}: the engine's prefill rate as the simulator's step model uses it (a lone
+  request's TTFT = fixed cost + tokens / rate);
+- `prefill_batch_tokens_per_s`: "isl{L}_batch{B}" -> prompt tokens per second when B prompts of
+  L tokens arrive together (median of `--repeats` after one warm-up batch; informational: on
+  the CPU engine the first batch of a new shape was 5-10x slower than later ones);
 - `tpot_ms_by_batch`: batch -> median inter-token latency when B requests decode together (short
   prompts, `--output-len` tokens, ignore_eos): the decode step time at that batch;
 - `kv_bytes_per_token` (from the model's config.json: 2 x layers x KV heads x head dim x dtype
@@ -82,10 +86,14 @@ async def measure(endpoint: EndpointConfig, prompt_lens: Sequence[int], batches:
                 times.append(outcomes[0].ttft_s)
             raw["ttft_s"][str(length)] = times
             singles[str(length)] = round(statistics.median(times) * 1000, 2)
-        _, wall = await _together(c, [_prompt(rng, prefill_len, vocab)
-                                      for _ in range(prefill_batch)])
-        raw["prefill_wall_s"] = wall
-        rate = {f"isl{prefill_len}_batch{prefill_batch}": round(prefill_len * prefill_batch / wall, 1)}
+        walls = []
+        for _ in range(repeats + 1):  # the first batch of this shape warms up
+            _, wall = await _together(c, [_prompt(rng, prefill_len, vocab)
+                                          for _ in range(prefill_batch)])
+            walls.append(wall)
+        raw["prefill_wall_s"] = walls
+        batch_rate = {f"isl{prefill_len}_batch{prefill_batch}":
+                      round(prefill_len * prefill_batch / statistics.median(walls[1:]), 1)}
         tpot = {}
         for batch in batches:
             reqs = [BenchRequest(_prompt(rng, 16, vocab).prompt, 16, output_len) for _ in range(batch)]
@@ -94,8 +102,21 @@ async def measure(endpoint: EndpointConfig, prompt_lens: Sequence[int], batches:
             gaps = [g for o in outcomes for g in o.itls_s[1:]]
             raw["itl_s"][str(batch)] = [round(g, 5) for g in gaps]
             tpot[str(batch)] = round(statistics.median(gaps) * 1000, 2)
-    return {"ttft_single_ms": singles, "prefill_tokens_per_s": rate, "tpot_ms_by_batch": tpot,
-            "raw": raw}
+    return {"ttft_single_ms": singles, "prefill_tokens_per_s": slope_rate(singles),
+            "prefill_batch_tokens_per_s": batch_rate, "tpot_ms_by_batch": tpot, "raw": raw}
+
+
+def slope_rate(singles_ms: dict[str, float]) -> dict[str, float]:
+    """{"ttft_slope": tokens/s} from lone-request TTFTs at several prompt lengths."""
+    from pdserve.scheduler.perf_model import fit_line
+
+    points = [(float(n), ms / 1000) for n, ms in singles_ms.items()]
+    if len(points) < 2:
+        raise ValueError("need TTFTs at two or more prompt lengths for the prefill rate")
+    _, slope = fit_line(points)
+    if slope <= 0:
+        raise ValueError(f"TTFT does not grow with prompt length ({singles_ms}); measure again")
+    return {"ttft_slope": round(1 / slope, 1)}
 
 
 def transfer_from_metrics(text: str) -> dict[str, float] | None:
