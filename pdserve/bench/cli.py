@@ -26,6 +26,7 @@ import math
 import os
 import platform
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -394,6 +395,32 @@ def _passthrough_serve_args(args: argparse.Namespace) -> list[str]:
 
 
 async def _tune(args: argparse.Namespace) -> int:
+    """Run the tuner; SIGTERM cancels it as Ctrl-C does, so the candidate's service is stopped, not leaked
+    (services run in their own session: a signal to the tuner's process group does not reach them).
+
+    SIGINT gets the same handler when it is ignored, as in a tuner started in the background (`cmd &`,
+    nohup): an ignored signal stays ignored across exec, and the services must get SIGINT to shut down
+    in order; a handled one is reset to the default in the child.
+    """
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    signals = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signals.append(signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        return await _tune_candidates(args)
+    except asyncio.CancelledError:
+        print("Interrupted: the running candidate's service was stopped; --resume continues from tune.json",
+              file=sys.stderr)
+        return 130
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+async def _tune_candidates(args: argparse.Namespace) -> int:
     out = Path(args.result_dir or ".")
     record_path = out / "tune.json"
     settings = _tune_settings(args)

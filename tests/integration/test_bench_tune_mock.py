@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 
+import psutil
 import pytest
 
 from pdserve.bench import cli
@@ -70,3 +74,32 @@ def test_tune_starts_searches_and_stops_each_candidate(tiny_model_dir, tmp_path,
         assert len(service.descendants) >= 3  # Ray's GCS and raylet plus engine actors, at least
         assert service.alive_descendants() == []
     assert "Best of each deployment" in capsys.readouterr().out
+
+
+def test_a_terminated_tuner_stops_the_running_service(tiny_model_dir, tmp_path):
+    """SIGTERM to the tuner mid-search: it stops the candidate's service (which runs in a session of its
+    own, out of reach of signals to the tuner's group) and exits 130."""
+    out = tmp_path / "tune"
+    command = [
+        sys.executable, "-m", "pdserve", "bench", "tune", "--deployments", "1P1D",
+        "--serve-args", f"--engine mock --model {tiny_model_dir} --served-model-name tiny",
+        "--num-cpus-per-engine", "0.25", "--tokenizer", str(tiny_model_dir),
+        "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", "100000",
+        "--goodput", "ttft:30000", "--search-start-rate", "1", "--result-dir", str(out), "--disable-tqdm",
+    ]
+    tuner = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in tuner.stdout:
+            if "healthy after" in line:
+                break
+        service_tree = psutil.Process(tuner.pid).children(recursive=True)
+        assert any("serve" in p.cmdline() for p in service_tree)
+        tuner.send_signal(signal.SIGTERM)
+        rest = tuner.communicate(timeout=180)[0]
+    finally:
+        if tuner.poll() is None:
+            tuner.kill()
+    assert tuner.returncode == 130, rest
+    assert "Interrupted" in rest
+    _, alive = psutil.wait_procs(service_tree, timeout=10)
+    assert alive == []
