@@ -54,12 +54,12 @@ ENGINE = {
     "seed": 0,
 }
 # Total request rates (req/s over both GPUs) per arm, bracketing each arm's knee from the H200
-# calibration: one vLLM engine meets TPOT p90 8 ms near 4 req/s and saturates near 14; 1P1D is
-# prefill-bound near 22.
+# calibration (one vLLM engine meets TPOT p90 8 ms near 4 req/s and saturates near 14; 1P1D is
+# prefill-bound near 22) and a first colocated sweep on 2 x H200 (knees at 9-12, 12-16, 16-20).
 RATES = {
-    "disagg": [4, 8, 12, 16, 20, 24],
-    "colocated": [3, 6, 9, 12, 16, 20, 24],
-    "vllm": [3, 6, 9, 12, 16, 20, 24],
+    "disagg": [8, 12, 16, 20, 24],
+    "colocated": [6, 9, 12, 16, 20],
+    "vllm": [6, 9, 12, 16, 20],
 }
 ARMS = tuple(RATES)
 LABELS = {
@@ -444,8 +444,8 @@ def main() -> int:
     run.add_argument("--model", required=True, help="config.json + tokenizer directory (dummy weights)")
     run.add_argument("--out", type=Path, required=True)
     run.add_argument("--rates", type=float, nargs="+", help="total req/s (default: the arm's RATES)")
-    run.add_argument("--arrival-s", type=float, default=15.0, help="seconds of arrivals per rate")
-    run.add_argument("--min-prompts", type=int, default=100, help="requests per rate at least")
+    run.add_argument("--arrival-s", type=float, default=12.0, help="seconds of arrivals per rate")
+    run.add_argument("--min-prompts", type=int, default=80, help="requests per rate at least")
     run.add_argument("--budget-s", type=float, default=420.0, help="skip rates that would end later")
     run.add_argument("--mock", action="store_true", help="pdserve's mock engine (CPU test of the script)")
     summary = commands.add_parser("summarize", help="goodput table and plots from the arms' JSON")

@@ -29,7 +29,7 @@ for part in "$@"; do
     disagg|colocated|vllm)
       trap stop_ray EXIT
       python3 benchmarks/gpu/proof.py run --arm "$part" --model "$model" --out "$out" \
-        --budget-s "${PROOF_BUDGET_S:-420}" || echo "$part failed: $?"
+        --budget-s "${PROOF_BUDGET_S:-300}" || echo "$part failed: $?"
       stop_ray
       tar -cJf "$out/$part-raw.tar.xz" -C "$out" "$part-raw" $(cd "$out" && ls ./*-server.log proxy.log 2>/dev/null)
       rm -rf "$out/$part-raw" "$out"/*-server.log "$out/proxy.log" ;;

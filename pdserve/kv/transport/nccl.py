@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import msgpack
@@ -46,17 +46,18 @@ import torch
 import torch.distributed as dist
 
 from pdserve.kv.proto import kv_transfer_pb2 as pb
-from pdserve.kv.transport import blocks, control
+from pdserve.kv.transport import blocks, control, gpu_copy
 from pdserve.kv.transport.base import BlockRegion, KVLayoutSpec, KVTransfer, KVTransportError
 from pdserve.kv.transport.grpc import HANDSHAKE_TIMEOUT_S, GrpcSink, GrpcSource, SourceSession
 
 logger = logging.getLogger(__name__)
 
-# 64 MiB per staging buffer, two buffers per pair and side. Measured NCCL send/recv between two
+# 128 MiB per staging buffer, two buffers per pair and side. Measured NCCL send/recv between two
 # H100s over NVLink: 20 GB/s at 1 MiB messages, 282 GB/s at 16 MiB, 348 GB/s at 128 MiB, 372 GB/s
 # at 1 GiB. One Llama-8B block of one layer is 64 KiB, so sending slices one by one would crawl;
-# 64 MiB batches get near peak while the second buffer lets the next gather overlap the send.
-DEFAULT_STAGING_BYTES = 64 << 20
+# 128 MiB batches get near peak with few host calls per pull (a 2048-token prompt, 256 MiB, is
+# 2 batches), while the second buffer lets the next gather overlap the send.
+DEFAULT_STAGING_BYTES = 128 << 20
 # Rendezvous and per-pull timeout of a pair. A receive waits this long for a dead peer
 # before failing the pull; keep it well above the longest pull (~1 s for 256 MiB on gloo).
 DEFAULT_PAIR_TIMEOUT_S = 30.0
@@ -227,6 +228,7 @@ class NcclSource(GrpcSource):
         self._region_nbytes = [r.info().block_nbytes for r in regions]
         self.staging_bytes = max(staging_bytes, *self._region_nbytes)
         self.pair_timeout_s = pair_timeout_s
+        self._runs = gpu_copy.RunTable.build(regions)  # one-launch gathers on CUDA, else None
         self._pairs: dict[str, tuple[_Pair, socket.socket]] = {}
         self._pairs_lock = threading.Lock()
         self._closing = False
@@ -314,16 +316,16 @@ class NcclSource(GrpcSource):
         last send is done (so the blocks may be freed and staging reused)."""
         pair.deadline = time.monotonic() + pair.timeout_s
         pending: list = [None, None]
+        batches = plan(self._region_nbytes, len(block_ids), pair.staging_bytes)
         with _on_stream(pair):
-            index = blocks.block_index(block_ids, pair.device) if gather else None
-            for i, batch in enumerate(plan(self._region_nbytes, len(block_ids), pair.staging_bytes)):
+            copy = _batch_copier(self._runs, self.regions, pair, block_ids, batches, to_staging=True)
+            for i, batch in enumerate(batches):
                 slot = i % 2
                 if pending[slot] is not None:
                     pending[slot].wait()  # that buffer's last send is done (CUDA: the stream waits)
                 staging = pair.staging[slot]
-                if index is not None:
-                    for piece, offset in batch:
-                        blocks.gather(self.regions[piece.region], index, piece, staging[offset:])
+                if gather:
+                    copy(i, batch, staging)
                 # Looked up per batch: close() may abort the pair between two sends.
                 pending[slot] = pair.live_group().send([staging[: blocks.batch_nbytes(batch)]], 1, slot)
             for work in pending:
@@ -362,6 +364,7 @@ class NcclSink(GrpcSink):
         self._pairs: dict[str, _Pair] = {}
         self._pair_locks: dict[str, threading.Lock] = {}
         self.traces: deque[PullTrace] | None = deque(maxlen=_TRACE_LEN) if trace else None
+        self._runs = gpu_copy.RunTable.build(regions)  # one-launch scatters on CUDA, else None
         super().__init__(layout, regions, **grpc_options)
         self._watchdog = _Watchdog(self._pairs, self._lock)
 
@@ -411,16 +414,14 @@ class NcclSink(GrpcSink):
             pending[i] = pair.live_group().recv([staging], 0, i % 2)
 
         with _on_stream(pair):
-            index = blocks.block_index(dst, pair.device)
+            copy = _batch_copier(self._runs, self.regions, pair, dst, batches, to_staging=False)
             if timing:
                 timing[0].record()
             for i in range(min(2, len(batches))):
                 post(i)
             for i, batch in enumerate(batches):
                 pending.pop(i).wait()  # CUDA: the stream waits; gloo: the data is here
-                staging = pair.staging[i % 2]
-                for piece, offset in batch:
-                    blocks.scatter(self.regions[piece.region], index, piece, staging[offset:])
+                copy(i, batch, pair.staging[i % 2])
                 if pair.stream is None:
                     transfer.add_bytes(sum(piece.nbytes for piece, _ in batch))
                 if i + 2 < len(batches):
@@ -516,6 +517,33 @@ def _decode_settings(params: bytes) -> dict[str, float | int | bytes]:
     ):
         raise KVTransportError("pair settings from the KV source out of range")
     return settings
+
+
+def _batch_copier(
+    runs: gpu_copy.RunTable | None,
+    regions: Sequence[BlockRegion],
+    pair: _Pair,
+    block_ids: list[int],
+    batches: list[list[tuple[blocks.Piece, int]]],
+    *,
+    to_staging: bool,
+) -> Callable[[int, list[tuple[blocks.Piece, int]], torch.Tensor], None]:
+    """copy(i, batch, staging): moves batch i between the regions and its staging buffer, on
+    the current stream. With a run table, one upload per pull and one launch per batch;
+    otherwise one torch copy (CUDA) or memmove loop (CPU) per piece."""
+    if runs is not None:
+        pointers = [t.data_ptr() for t in pair.staging]
+        table, spans = runs.plan(block_ids, batches, pointers, to_staging=to_staging)
+        addresses = gpu_copy.upload(table, pair.device)
+        return lambda i, batch, staging: gpu_copy.copy_runs(addresses, spans[i], runs.run_bytes)
+    index = blocks.block_index(block_ids, pair.device)
+    move = blocks.gather if to_staging else blocks.scatter
+
+    def copy(i: int, batch: list[tuple[blocks.Piece, int]], staging: torch.Tensor) -> None:
+        for piece, offset in batch:
+            move(regions[piece.region], index, piece, staging[offset:])
+
+    return copy
 
 
 @contextlib.contextmanager
