@@ -261,7 +261,9 @@ def _search(args: argparse.Namespace) -> int:
     base = SimConfig(profile, Topology.colocated(1), slo)
 
     def log(t):
-        print(f"  {t.topology.name:<16} attainment {t.attainment:.3f}  goodput {t.goodput:.2f} "
+        name = t.topology.name if not t.topology.bounds else "autoscaled " + ",".join(
+            f"{p}[{b.min_replicas}-{b.max_replicas}]" for p, b in t.topology.bounds.items())
+        print(f"  {name:<16} attainment {t.attainment:.3f}  goodput {t.goodput:.2f} "
               f"req/s  p90 TTFT {t.p90_ttft_ms:.0f} ms  p90 TPOT {t.p90_tpot_ms:.1f} ms"
               + (f"  autoscaled util {t.target_utilization} GPU-h {t.gpu_hours:.3f}"
                  if t.target_utilization is not None else ""), flush=True)

@@ -91,10 +91,11 @@ def search_autoscaled(base: SimConfig, workload: Workload, goodput: SLOTargets, 
                       static: Trial, utilizations: Iterable[float] = (0.6, 0.7, 0.8),
                       log: Callable[[Trial], None] | None = None
                       ) -> tuple[Trial | None, list[Trial]]:
-    """Autoscaler settings around a static winner: bounds [1, size] per pool, a few targets."""
+    """Autoscaler settings around a static winner: start at its size, bounds [1, 2 x size] per
+    pool, a few target utilisations; the cheapest in GPU-hours that still meets the goal."""
     pools = static.topology.pools
-    bounds = {p: PoolBounds(1, n) for p, n in pools.items()}
-    start = {p: 1 for p in pools}
+    bounds = {p: PoolBounds(1, 2 * n) for p, n in pools.items()}
+    start = dict(pools)
     trials = []
     for util in utilizations:
         config = replace(base, topology=Topology(start, bounds),
