@@ -41,7 +41,7 @@ from pdserve.autoscaler.policy import PoolBounds, ScalingPolicy  # noqa: E402
 from pdserve.bench.metrics import SLOTargets  # noqa: E402
 from pdserve.bench.report import save_json  # noqa: E402
 from pdserve.scheduler.routing import SloTargets  # noqa: E402
-from pdserve.sim.cells import scale_totals, thin  # noqa: E402
+from pdserve.sim.cells import scale_totals  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile, h200_kv_blocks  # noqa: E402
 from pdserve.sim.results import LatencyRecorder, run_json  # noqa: E402
 from pdserve.sim.runner import SimConfig, Simulation, Topology  # noqa: E402

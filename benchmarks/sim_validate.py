@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.metrics import SLOTargets  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile, h200_kv_blocks  # noqa: E402
-from pdserve.sim.results import bench_result, run_json  # noqa: E402
+from pdserve.sim.results import run_json  # noqa: E402
 from pdserve.sim.runner import SimConfig, Topology, simulate  # noqa: E402
 from pdserve.sim.workload import Workload, at_rate  # noqa: E402
 

@@ -17,7 +17,6 @@ a simulation needs: rate curves over a day, a topology, an engine profile.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path

@@ -44,7 +44,6 @@ def test_ttft_only_baseline_scales_on_ttft_alone(profile):
 def test_cli_run_writes_a_harness_keyed_result(tmp_path, capsys):
     import json
 
-    from conftest import PERF  # noqa: F401 (the profile JSON below mirrors it)
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps({"prefill_tokens_per_s": 1000, "ttft_single_ms": {"100": 150},
                                 "tpot_ms_by_batch": {"1": 11, "2": 12}, "kv_bytes_per_token": 1000,
