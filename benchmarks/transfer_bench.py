@@ -70,15 +70,27 @@ class Shape:
         """Bytes of one block across all layers."""
         return self.block_tokens * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
 
-    def regions(self, num_blocks: int, device: str) -> list[BlockRegion]:
+    def region_shape(self, num_blocks: int) -> tuple[tuple[int, ...], int]:
+        """One layer's tensor shape and its block dim."""
         if self.block_tokens == GPU_BLOCK_TOKENS:
-            shape, block_dim = (2, num_blocks, self.block_tokens, KV_HEADS, HEAD_DIM), 1
-        else:
-            shape, block_dim = (num_blocks, KV_HEADS, self.block_tokens, 2 * HEAD_DIM), 0
-        return [
-            BlockRegion(torch.randn(shape, dtype=torch.bfloat16, device=device), block_dim)
-            for _ in range(LAYERS)
-        ]
+            return (2, num_blocks, self.block_tokens, KV_HEADS, HEAD_DIM), 1
+        return (num_blocks, KV_HEADS, self.block_tokens, 2 * HEAD_DIM), 0
+
+    def regions(self, num_blocks: int, device: str) -> list[BlockRegion]:
+        shape, block_dim = self.region_shape(num_blocks)
+        return [BlockRegion(pattern(shape, layer, device), block_dim) for layer in range(LAYERS)]
+
+
+def pattern(shape: tuple[int, ...], layer: int, device: str) -> torch.Tensor:
+    """Contents both processes can rebuild: element (i0, i1, ...) = (layer + sum(i_k * p_k)) % 61
+    with a distinct prime p_k per dim, exact in bf16, so a misplaced byte run shows up."""
+    primes = (3, 5, 7, 11, 13)
+    total = torch.full((1,) * len(shape), layer, dtype=torch.int32, device=device)
+    for dim, size in enumerate(shape):
+        view = [1] * len(shape)
+        view[dim] = size
+        total = total + torch.arange(size, dtype=torch.int32, device=device).view(view) * primes[dim]
+    return (total % 61).to(torch.bfloat16)
 
 
 def pick_shape(device: str) -> Shape:
@@ -179,7 +191,21 @@ class Bench:
                 raise RuntimeError(f"pull failed: {transfer}")
             if attempt:
                 seconds.append(transfer.elapsed_s)
+        self.last_pull = (src, dst)
         return seconds
+
+    def verify_last_pull(self) -> bool:
+        """Whether the last pull's destination blocks hold exactly the source blocks named."""
+        src, dst = self.last_pull
+        shape, block_dim = self.shape.region_shape(self.num_blocks)
+        device = self.shape.sink_device
+        src_index = torch.tensor(src, device=device)
+        dst_index = torch.tensor(dst, device=device)
+        for layer, region in enumerate(self.dst_regions):
+            expected = pattern(shape, layer, device).index_select(block_dim, src_index)
+            if not torch.equal(region.tensor.index_select(block_dim, dst_index), expected):
+                return False
+        return True
 
     def socket_baseline(self, nbytes: int) -> list[float]:
         """Raw loopback TCP: the child sends nbytes from memory, we recv_into a buffer."""
@@ -229,6 +255,7 @@ class Result:
     baseline_of: str = ""
     phases_ms: dict[str, float] | None = None  # NCCL pulls: median ms from start_pull to each phase
     gpu_gbps: float | None = None  # NCCL pulls on CUDA: bytes / GPU time (CUDA events)
+    verified: bool | None = None  # the last pull's blocks arrived exactly (transports only)
 
     @property
     def gbps(self) -> float:
@@ -270,7 +297,9 @@ def run(args: argparse.Namespace) -> tuple[Shape, list[Result]]:
                 nbytes = blocks_per_pull * shape.block_bytes()
                 for name, sink in sinks.items():
                     seconds = bench.time_pulls(sink, blocks_per_pull, bench.address, remote_pin)
-                    results.append(Result(name, nbytes, seconds, "", *trace_summary(sink, args.repeats)))
+                    phases, gpu_gbps = trace_summary(sink, args.repeats)
+                    verified = bench.verify_last_pull()
+                    results.append(Result(name, nbytes, seconds, "", phases, gpu_gbps, verified))
                 if "fake" in wanted:
                     seconds = bench.time_pulls(fake_sink, blocks_per_pull, fake_source.address, fake_source.pin)
                     results.append(Result("fake", nbytes, seconds))
@@ -307,8 +336,10 @@ def print_rows(rows: list[Result], shape: Shape) -> None:
             else "nccl(gloo)"
         )
         note = f"baseline for {row.baseline_of}" if row.baseline_of else ""
+        if row.verified is not None:
+            note = ("bytes verified " if row.verified else "BYTES DIFFER ") + note
         if row.phases_ms:
-            note = "phases ms: " + " ".join(f"{k}={v:.3f}" for k, v in row.phases_ms.items())
+            note += "phases ms: " + " ".join(f"{k}={v:.3f}" for k, v in row.phases_ms.items())
             note += f"  gpu {row.gpu_gbps:.1f} GB/s" if row.gpu_gbps else ""
         print(
             f"{name:<12} {row.size_bytes / 2**20:>9.0f} {statistics.median(row.seconds) * 1e3:>10.2f} "

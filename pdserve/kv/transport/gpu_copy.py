@@ -14,6 +14,7 @@ None otherwise and callers fall back to `blocks.gather` / `blocks.scatter`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ import torch
 
 from pdserve.kv.transport import blocks
 from pdserve.kv.transport.base import BlockRegion
+
+logger = logging.getLogger(__name__)
 
 try:  # Triton ships with CUDA builds of torch; CPU hosts fall back to torch copies.
     import triton
@@ -60,7 +63,7 @@ class RunTable:
         if any(d is None for d in described):
             return None
         run_bytes = {d.run_bytes for d in described}
-        if len(run_bytes) != 1:
+        if len(run_bytes) != 1 or not _kernel_works(regions[0].tensor.device):
             return None
         return cls(tuple(described), run_bytes.pop())
 
@@ -106,6 +109,27 @@ def copy_runs(addresses: torch.Tensor, span: tuple[int, int], run_bytes: int) ->
     words = run_bytes // _WORD_BYTES
     grid = (end - start, triton.cdiv(words, _BLOCK_WORDS))
     _copy_kernel[grid](addresses[start:end], words, BLOCK=_BLOCK_WORDS)
+
+
+_checked: dict[torch.device, bool] = {}
+
+
+def _kernel_works(device: torch.device) -> bool:
+    """Compiles and runs the kernel once per device on a small copy; False (and a warning)
+    if Triton fails there, so the endpoint falls back to torch copies instead of failing pulls."""
+    if device not in _checked:
+        try:
+            source = torch.arange(4096, dtype=torch.int32, device=device)
+            target = torch.zeros_like(source)
+            table = np.array([[source.data_ptr() + 8192, target.data_ptr()]], dtype=np.int64)
+            with torch.cuda.device(device):
+                copy_runs(upload(table, device), (0, 1), 8192)
+                torch.cuda.synchronize(device)
+            _checked[device] = torch.equal(target[:2048], source[2048:])
+        except Exception as exc:  # noqa: BLE001 - any failure means: use the fallback
+            logger.warning("Triton block copies unavailable on %s (%s); using torch copies", device, exc)
+            _checked[device] = False
+    return _checked[device]
 
 
 def _describe(region: BlockRegion) -> _RegionRuns | None:
