@@ -57,7 +57,7 @@ ENGINE = {
 # calibration (one vLLM engine meets TPOT p90 8 ms near 4 req/s and saturates near 14; 1P1D is
 # prefill-bound near 22) and a first colocated sweep on 2 x H200 (knees at 9-12, 12-16, 16-20).
 RATES = {
-    "disagg": [8, 12, 16, 20, 24],
+    "disagg": [10, 14, 18, 22, 26],
     "colocated": [6, 9, 12, 16, 20],
     "vllm": [6, 9, 12, 16, 20],
 }
