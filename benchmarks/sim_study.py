@@ -17,7 +17,9 @@ Arms (bounds and static sizes are per cell; x cells for the deployment):
 - pdserve: the production Autoscaler (policy.decide), bounds [1, max], from 2 engines;
 - ttft-only: reactive p99-TTFT rule (pdserve.sim.baselines), same bounds and start;
 - pdserve-tuned: the production autoscaler with a stricter scale-down (downscale_utilization
-  0.3, 12 intervals) and a floor of 2 engines per cell.
+  0.3, 12 intervals) and a floor of 2 engines per cell;
+- pdserve-disagg: the same tuned policy on a disaggregated deployment (prefill 1-8, decode 1-4
+  per cell, from 2P1D), each pool scaled on its own signals.
 
     .venv/bin/python benchmarks/sim_study.py --out benchmarks/results/sim/study --arm pdserve
     ... (one process per arm; they are independent) ...
@@ -60,6 +62,9 @@ ARMS = {  # name: (initial engines per cell, bounds per cell or None, autoscaler
     # flapping at the trough suggests).
     "pdserve-tuned": (2, (2, 10), "pdserve", {"downscale_utilization": 0.3,
                                               "downscale_intervals": 12}),
+    # Disaggregated: prefill and decode pools scaled on their own signals (same tuned policy).
+    "pdserve-disagg": ({"prefill": 2, "decode": 1}, {"prefill": (1, 8), "decode": (1, 4)},
+                       "pdserve", {"downscale_utilization": 0.3, "downscale_intervals": 12}),
 }
 
 
@@ -80,7 +85,10 @@ def workload(args):
 def run_arm(args) -> None:
     start, bounds, scaler, changes = ARMS[args.arm]
     curve, wl = workload(args)
-    topo = Topology.colocated(start, PoolBounds(*bounds) if bounds else None)
+    if isinstance(start, dict):
+        topo = Topology(start, {p: PoolBounds(*b) for p, b in bounds.items()})
+    else:
+        topo = Topology.colocated(start, PoolBounds(*bounds) if bounds else None)
     config = SimConfig(profile(), topo, SLO, scaling=ScalingPolicy(**changes),
                        autoscaler=scaler or "pdserve", autoscale_interval_s=10.0,
                        record_itls=False, keep_requests=False)
@@ -150,8 +158,11 @@ def plot(args, bodies: dict) -> None:
     ax0.set_ylabel("requests/s (deployment)")
     for arm, b in bodies.items():
         pts = [p for p in b["simulation"]["pool_sizes"]]
-        ax1.step([p["t_s"] / 3600 for p in pts],
-                 [(p["ready"] + p["starting"] + p["draining"]) * args.cells for p in pts],
+        times = sorted({p["t_s"] for p in pts})
+        total: dict[float, int] = {}
+        for p in pts:  # disaggregated runs sample each pool: add them up per time
+            total[p["t_s"]] = total.get(p["t_s"], 0) + p["ready"] + p["starting"] + p["draining"]
+        ax1.step([t / 3600 for t in times], [total[t] * args.cells for t in times],
                  where="post", label=arm)
         hrs = b["hourly"]
         ax2.plot([h["hour"] + 0.5 for h in hrs], [h["attainment"] for h in hrs], marker="o",
