@@ -7,8 +7,10 @@ and the next state. The frontend's controller, the unit tests and the simulator 
 Each pool is scaled on its own signals:
 - prefill: TTFT above target at the SLO percentile, or prefill load (arriving prompt tokens over
   the pool's prefill capacity) above `target_utilization`;
-- decode: TPOT above target, KV usage above `kv_high`, or decode load (the batch the pool runs
-  over the batch that still meets the TPOT target) above `target_utilization`;
+- decode: TPOT above target, or KV usage above `kv_high`. Decode load (the batch the pool runs
+  over the batch that the fitted model says still meets the TPOT target) sizes a scale-up and
+  gates a scale-down, but does not trigger a scale-up by itself: a model extrapolated from
+  noisy inter-token gaps is not evidence enough to buy an engine, a measured TPOT breach is;
 - colocated: any of the above.
 
 Against flapping: a pressure must hold for `upscale_intervals` consecutive evaluations before a
@@ -171,9 +173,6 @@ def _pressure(s: PoolSignals, ttft_t: float, tpot_t: float,
         if s.kv_usage > p.kv_high:
             found.append((KV_PRESSURE, f"KV usage {s.kv_usage:.2f}",
                           s.kv_usage / p.kv_high * p.target_utilization))
-        if s.decode_utilization > p.target_utilization:
-            found.append((DECODE_LOAD, f"decode load {s.decode_utilization:.2f}",
-                          s.decode_utilization))
     if not found:
         return None
     return max(found, key=lambda f: f[2])

@@ -42,6 +42,7 @@ class EngineState:
     num_prefilling: int = 0
     num_decoding: int = 0
     pins: int = 0  # prefilled requests whose KV a decode engine has not pulled yet
+    reserved: int = 0  # requests placed here whose leg has not finished (may not have begun)
     kv_usage: float = 0.0
     healthy: bool = True
     ready: bool = True  # False while starting
@@ -53,7 +54,8 @@ class EngineState:
 
     @property
     def idle(self) -> bool:
-        return self.num_prefilling == 0 and self.num_decoding == 0 and self.pins == 0
+        return (self.num_prefilling == 0 and self.num_decoding == 0 and self.pins == 0
+                and self.reserved == 0)
 
     def load(self) -> EngineLoad:
         # Blocks the frontend has committed but the engine's last report may not show yet are
@@ -201,6 +203,28 @@ class GlobalScheduler:
         if DECODE in self._pools:
             self._pools[DECODE].fit.observe_transfer(tokens, seconds)
 
+    def reserve(self, placement: Placement) -> None:
+        """Hold the placement's engines until `release`: a decode engine chosen now may see its
+        request only after a long prefill, and must not be drained meanwhile."""
+        for pool, rid in self._placed(placement):
+            state = self._pools[pool].engines.get(rid)
+            if state is not None:
+                state.reserved += 1
+
+    def release(self, placement: Placement) -> None:
+        for pool, rid in self._placed(placement):
+            state = self._pools[pool].engines.get(rid)
+            if state is not None:
+                state.reserved = max(0, state.reserved - 1)
+
+    def _placed(self, placement: Placement) -> list[tuple[str, str]]:
+        if not self._disaggregated:
+            return [(COLOCATED, placement.decode)]
+        placed = [(DECODE, placement.decode)]
+        if placement.prefill is not None:
+            placed.append((PREFILL, placement.prefill))
+        return placed
+
     def pin(self, pool: str, replica_id: str) -> None:
         state = self._pools[pool].engines.get(replica_id)
         if state is not None:
@@ -237,7 +261,9 @@ class GlobalScheduler:
             if slo is not None:
                 max_batch = model.max_batch_for_tpot(slo.tpot_s)
                 decoding = sum(e.num_decoding for e in engines) / n
-                decode_util = decoding / max_batch if max_batch else (10.0 if decoding else 0.0)
+                # A step floor above the target (max_batch 0) is no load that more engines
+                # would relieve; the TPOT breach itself still shows it.
+                decode_util = decoding / max_batch if max_batch else 0.0
         return PoolSignals(
             pool=pool, replicas=n, starting=starting, samples=summary.count,
             ttft_s=summary.ttft_p_s, tpot_s=summary.tpot_p_s,

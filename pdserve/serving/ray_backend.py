@@ -166,7 +166,9 @@ class RayBackend:
             raise OverloadedError(placement.retry_after_s, placement.reason,
                                   placement.predicted_ttft_s)
         logger.debug("placed %s: %s", request.request_id, placement)
-        return self._generate(request, placement)
+        self.scheduler.reserve(placement)
+        return _Reserved(self._generate(request, placement),
+                         lambda: self.scheduler.release(placement))
 
     async def _generate(self, request: GenerateRequest,
                         placement: Placement) -> AsyncIterator[GenerateDelta]:
@@ -323,8 +325,14 @@ class RayBackend:
                 self.scheduler.update_engine(replica.pool.value, replica.replica_id,
                                              kv_usage=result.kv_cache_usage, healthy=True)
             else:
-                self.scheduler.update_engine(replica.pool.value, replica.replica_id,
-                                             healthy=False)
+                # A dead actor takes no more requests; a slow answer (an overloaded host) is
+                # reported but the engine stays routable: its requests still complete.
+                if isinstance(result, RayActorError):
+                    self.scheduler.update_engine(replica.pool.value, replica.replica_id,
+                                                 healthy=False)
+                    if self.autoscaler is not None and not replica.draining:
+                        # The pool's signals no longer count it; the autoscaler replaces it.
+                        self._spawn(self._drain_replica(replica))
                 logger.warning("engine %s did not answer stats: %r", replica.replica_id, result)
         self._publish_pool_sizes()
         return stats
@@ -374,7 +382,8 @@ class RayBackend:
         requests are done and no decode engine still has to pull its KV.
         """
         pool = self._pools[role]
-        serving = [r for r in pool.replicas if not r.draining]
+        serving = [r for r in pool.replicas if not r.draining
+                   and self.scheduler.engine(role.value, r.replica_id).healthy]
         if self._config.autoscale.request_resources:
             wanted = {r: len([x for x in self._pools[r].replicas if not x.draining])
                       for r in self._pools}
@@ -460,6 +469,39 @@ class RayBackend:
                     role.value, now, self.scheduler.slo.percentile, self.scheduler.slo.ttft_s,
                     self.scheduler.slo.tpot_s)
                 self._metrics.observe_slo(role.value, summary)
+
+
+class _Reserved:
+    """An async iterator over a placed request that releases the placement's reservation
+    exactly once: when the stream ends, when it is closed, or when it is dropped unstarted."""
+
+    def __init__(self, stream: AsyncIterator[GenerateDelta], release: Any) -> None:
+        self._stream = stream
+        self._release = release
+
+    def __aiter__(self) -> _Reserved:
+        return self
+
+    async def __anext__(self) -> GenerateDelta:
+        try:
+            return await self._stream.__anext__()
+        except BaseException:
+            self._done()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self._stream.aclose()
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __del__(self) -> None:
+        self._done()
 
 
 def _remote_prefill(request: GenerateRequest) -> bool:

@@ -51,6 +51,9 @@ def test_tpot_pressure_never_moves_the_prefill_pool_and_vice_versa():
 
 def test_tpot_breach_and_kv_pressure_scale_decode():
     tpot = PoolSignals("decode", replicas=1, samples=50, tpot_s=0.08, decode_utilization=0.7)
+    # A model-predicted decode load alone (no measured breach) buys no engine.
+    modelled = PoolSignals("decode", replicas=1, samples=50, tpot_s=0.02, decode_utilization=3.0)
+    assert {d.direction for d in run([modelled] * 5)} == {"none"}
     assert run([tpot, tpot])[-1].reason == "tpot_breach"
     kv = PoolSignals("decode", replicas=2, samples=0, kv_usage=0.95)
     decisions = run([kv, kv])
