@@ -271,7 +271,8 @@ class Simulation:
                 self._done(req)
             return
         # Prefill leg done: the decode leg starts (KV pull, then decode).
-        if req.output == 1:
+        if req.output == 1:  # nothing to pull: the prefill engine frees the prompt's blocks
+            engine.release_prefill(req)
             self._done(req)
             return
         req.leg = "decode"

@@ -39,6 +39,15 @@ def test_disaggregated_request_prefills_remotely_then_pulls_the_kv(profile):
     assert run.engines[0].kv_used == 0 and run.engines[1].kv_used == 0
 
 
+def test_one_token_requests_free_their_prefill_blocks(profile):
+    config = SimConfig(profile, Topology.disaggregated(1, 1),
+                       routing=RoutingPolicy(local_prefill_max_tokens=0))
+    run = simulate(config, workload((0.0, 200, 1), (0.5, 200, 1)))
+    assert [r.decode_engine.pool for r in run.requests] == ["decode", "decode"]
+    assert all(e.kv_used == 0 for e in run.engines)
+    assert all(e.idle for e in run.engines)
+
+
 def test_same_seed_same_result_other_seed_other_result(profile):
     def once(seed):
         wl = at_rate("random", 300, 20.0, seed=seed, input_len=300, output_len=40, range_ratio=0.5)
