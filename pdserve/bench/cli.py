@@ -434,7 +434,9 @@ async def _tune_candidates(args: argparse.Namespace) -> int:
     )
     meta = {"command": _command_line(), "machine": _machine(),
             "load_average_at_start": os.getloadavg()}
-    done: list[Trial] = []
+    planned = {c.key for c in plan}
+    # Recorded trials outside this plan stay in the record (a resume with a narrower grid loses nothing).
+    done: list[Trial] = [t for key, t in previous.items() if key not in planned]
 
     def record(trial: Trial) -> None:
         done.append(trial)

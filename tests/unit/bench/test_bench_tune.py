@@ -257,9 +257,14 @@ def test_tune_cli_ranks_candidates_and_writes_json_csv_and_plot(
     out = capsys.readouterr().out
     assert "Best of each deployment" in out and "1.00x" in out
 
-    # Resuming the finished run measures nothing again.
+    # Resuming the finished run measures nothing again; a narrower plan keeps the other trials on record.
     assert cli.main([*_tune_argv(tmp_path, word_tokenizer_dir), "--resume"]) == 0
+    assert cli.main([*_tune_argv(tmp_path, word_tokenizer_dir), "--resume", "--deployments", "1P1D"]) == 0
     assert len(fake_launcher) == 2
+    kept = json.loads((tmp_path / "tune.json").read_text())["trials"]
+    assert sorted(t["key"] for t in kept) == [
+        "1P1D/seqs=4,tokens=default", "colocated:2/seqs=4,tokens=default"
+    ]
 
 
 def test_tune_cli_records_a_service_that_fails_to_start(
