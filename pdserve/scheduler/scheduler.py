@@ -92,6 +92,7 @@ class GlobalScheduler:
         self.tracker = SloTracker(window_s)
         self._prefix = PrefixIndex(prefix_block_size, 1 << 16) if prefix_aware else None
         self._disaggregated = PREFILL in self._pools
+        self._open: dict[int, PrefillTicket] = {}  # prefill legs without a first token yet
 
     # --- engines --------------------------------------------------------------------------
 
@@ -168,6 +169,7 @@ class GlobalScheduler:
         state.queued_prefill_tokens += tokens
         state.num_prefilling += 1
         self.tracker.record_arrival(pool, now, tokens)
+        self._open[id(ticket)] = ticket
         return ticket
 
     def first_token(self, ticket: PrefillTicket, now: float, observe: bool = True) -> None:
@@ -175,6 +177,7 @@ class GlobalScheduler:
         if ticket.done:
             return
         ticket.done = True
+        self._open.pop(id(ticket), None)
         pool = self._pools[ticket.pool]
         state = pool.engines.get(ticket.replica_id)
         if state is not None:
@@ -235,6 +238,10 @@ class GlobalScheduler:
         if state is not None:
             state.pins = max(0, state.pins - 1)
 
+    def first_token_seen(self, pool: str, now: float, ttft_s: float) -> None:
+        """A request's first token reached the frontend (its TTFT as the client sees it)."""
+        self.tracker.record_ttft(pool, now, ttft_s)
+
     def request_finished(self, ttft_pool: str, tpot_pool: str, now: float,
                          ttft_s: float | None, tpot_s: float | None) -> None:
         if ttft_s is not None:
@@ -251,8 +258,12 @@ class GlobalScheduler:
         starting = sum(not e.ready for e in engines)
         slo = self.slo
         pct = slo.percentile if slo else 90.0
+        late = []
+        if slo is not None:
+            late = [now - t.started for t in self._open.values()
+                    if t.pool == pool and now - t.started > slo.ttft_s]
         summary = self.tracker.summary(pool, now, pct, slo.ttft_s if slo else None,
-                                       slo.tpot_s if slo else None)
+                                       slo.tpot_s if slo else None, late)
         model = self.model(pool)
         prefill_util = decode_util = kv = 0.0
         if n:

@@ -44,9 +44,12 @@ class SloTracker:
         self._push(self._tpot, pool, (now, tpot_s))
 
     def summary(self, pool: str, now: float, percentile: float = 90.0,
-                ttft_target_s: float | None = None,
-                tpot_target_s: float | None = None) -> WindowSummary:
-        ttft = self._values(self._ttft, pool, now)
+                ttft_target_s: float | None = None, tpot_target_s: float | None = None,
+                pending_ttft_s: list[float] | None = None) -> WindowSummary:
+        """The window's percentiles and attainment. `pending_ttft_s`: ages of requests still
+        waiting for their first token, counted as TTFT samples (lower bounds) so that a queue
+        that is already late shows before its requests finish."""
+        ttft = self._values(self._ttft, pool, now) + list(pending_ttft_s or ())
         tpot = self._values(self._tpot, pool, now)
         arrivals = self._values(self._arrivals, pool, now)
         span = self.window_s

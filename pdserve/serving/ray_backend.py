@@ -192,14 +192,15 @@ class RayBackend:
                 async for delta in stream:
                     if delta.token_ids:
                         last = time.monotonic()
-                        first = first or last
+                        if first is None:
+                            first = last
+                            self.scheduler.first_token_seen(ttft_pool, first, first - started)
                         tokens += len(delta.token_ids)
                     yield delta
         finally:
             now = time.monotonic()
-            ttft = first - started if first is not None else None
             tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
-            self.scheduler.request_finished(ttft_pool, decode.pool.value, now, ttft, tpot)
+            self.scheduler.request_finished(ttft_pool, decode.pool.value, now, None, tpot)
 
     async def _disaggregated_stream(self, request: GenerateRequest, prefill: Replica,
                                     decode: Replica) -> AsyncIterator[GenerateDelta]:

@@ -75,7 +75,10 @@ def init_ray(settings: RayConfig) -> None:
     if ray.is_initialized():
         return
     if settings.address is None:
-        ray.init(namespace=settings.namespace, include_dashboard=settings.include_dashboard,
+        # address="local": always a new instance, never a cluster some `ray start` on this
+        # machine left in /tmp/ray/ray_current_cluster.
+        ray.init(address="local", namespace=settings.namespace,
+                 include_dashboard=settings.include_dashboard,
                  object_store_memory=settings.object_store_memory_bytes, log_to_driver=True)
     else:
         ray.init(address=settings.address, namespace=settings.namespace, log_to_driver=True)

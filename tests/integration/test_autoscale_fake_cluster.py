@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -97,6 +98,10 @@ def cluster(tmp_path_factory):
         yield address
     finally:
         _stop_cluster(port)
+        # `ray start` recorded this cluster as the machine's default for ray.init(); forget it.
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        if current.exists() and current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
 
 
 def test_a_prefill_scale_up_brings_up_a_prefill_node(cluster, tmp_path, monkeypatch):

@@ -145,7 +145,8 @@ def test_a_tpot_breach_grows_decode_only():
 def test_prefill_load_from_arrivals_grows_prefill_before_latency_breaks():
     sched = scheduler()
     for t in range(30):  # 3000 prompt tokens/s against one engine's 1000 tok/s
-        sched.prefill_started("prefill", "prefill-0", 3000, now=float(t))
+        ticket = sched.prefill_started("prefill", "prefill-0", 3000, now=float(t))
+        sched.first_token(ticket, now=t + 0.2, observe=False)
     signals = sched.signals("prefill", now=30.0)
     assert signals.prefill_utilization == pytest.approx(3.0)
     scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY)
@@ -153,3 +154,14 @@ def test_prefill_load_from_arrivals_grows_prefill_before_latency_breaks():
     up = {d.pool: d for d in scaler.evaluate(sched, now=35.0)}["prefill"]
     # 3 engines' worth of load at 80% each: 4 engines (the max).
     assert (up.reason, up.target) == ("prefill_load", 4)
+
+
+def test_requests_still_waiting_past_the_target_count_as_a_breach():
+    sched = scheduler()
+    for t in range(10):  # fast so far...
+        sched.request_finished("prefill", "decode", now=float(t), ttft_s=0.1, tpot_s=0.02)
+    # ...but 5 prefills dispatched at t=9 have no first token at t=11 (2 s > 0.5 s target).
+    for _ in range(5):
+        sched.prefill_started("prefill", "prefill-0", 100, now=9.0)
+    signals = sched.signals("prefill", now=11.0)
+    assert signals.ttft_s > TTFT and signals.samples == 15
