@@ -301,3 +301,22 @@ def test_bad_tune_flags_are_argparse_errors(extra: list[str], message: str, caps
         cli.main(["tune", *extra])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_saved_runs_plot_as_attainment_panels_and_a_ranking(tmp_path) -> None:
+    from PIL import Image
+
+    from pdserve.bench.plots import plot_goodput_ranking, plot_slo_attainment_panels
+
+    runs = {
+        "colocated": [
+            (0.5, {"ttft": 1.0, "tpot": 1.0, "all": 1.0}),
+            (1.0, {"ttft": 0.9, "tpot": 0.5, "all": 0.5}),
+        ],
+        "ttft-only": [(0.5, {"ttft": 1.0, "all": 1.0})],  # a run without a TPOT target: no TPOT point
+    }
+    panels = plot_slo_attainment_panels(runs, tmp_path / "attainment.png")
+    ranking = plot_goodput_ranking([("3P1D/a", "3P1D", 2.5), ("colocated:4/a", "colocated:4", 1.9)],
+                                   tmp_path / "tune.png")
+    assert Image.open(panels).size[0] > 2 * Image.open(panels).size[1]  # three panels side by side
+    assert Image.open(ranking).size[1] > 0
