@@ -9,8 +9,9 @@ Lifecycle of `Simulation.run(workload)`:
    leg on a prefill engine, streams its first token, and its decode leg pulls the KV and
    decodes on the decode engine. A `Rejection` is a failed request, as the client sees a 429;
 3. keep the scheduler's books exactly as `RayBackend._stream` does (`prefill_started`,
-   `first_token`, `decode_started`, `token_gap`, `pin`/`unpin`, `transfer_observed`,
-   `decode_finished`, `request_finished`, engine KV usage), in virtual time;
+   `first_token`, `first_token_seen` (the TTFT sample), `decode_started`, `token_gap`,
+   `pin`/`unpin`, `transfer_observed`, `decode_finished`, `request_finished` (the TPOT sample),
+   engine KV usage), in virtual time;
 4. every `autoscale_interval_s`, `Autoscaler.evaluate` (the pure `policy.decide` per pool) and
    apply its decisions like `RayBackend.scale_to`: a new engine is added not ready and becomes
    ready after the profile's `startup_s`; a drained one (least busy first) takes no new
@@ -263,7 +264,10 @@ class Simulation:
 
     def _first_token(self, req: SimRequest, engine: SimEngine) -> None:
         now = self.queue.now
-        self.sched.first_token(req.ticket, now + self._response_s)
+        visible = now + self._response_s
+        self.sched.first_token(req.ticket, visible)
+        # As RayBackend._generate: the TTFT sample is taken when the first token is seen.
+        self.sched.first_token_seen(req.ttft_pool, visible, visible - req.arrival)
         if req.leg == "full":
             if req.output > 1:
                 self.sched.decode_started(engine.pool, engine.replica_id)
@@ -289,9 +293,8 @@ class Simulation:
         self._last_done = self.queue.now
         if not req.error:
             visible = req.finish + self._response_s
-            ttft = req.first_token - req.arrival + self._response_s
             tpot = (req.finish - req.first_token) / (req.output - 1) if req.output > 1 else None
-            self.sched.request_finished(req.ttft_pool, req.decode_pool, visible, ttft, tpot)
+            self.sched.request_finished(req.ttft_pool, req.decode_pool, visible, None, tpot)
             for engine in (req.prefill_engine, req.decode_engine):
                 if engine is not None and engine.draining:
                     self._maybe_remove(engine)
