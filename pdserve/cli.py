@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_bench(sub)
+    try:
+        from pdserve.sim.cli import add_parser as add_sim
+    except ImportError:  # the simulator needs the bench extra (workloads, metrics)
+        pass
+    else:
+        add_sim(sub)
     return parser
 
 
