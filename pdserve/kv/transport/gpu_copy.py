@@ -51,7 +51,9 @@ class _RegionRuns:
 class RunTable:
     """The run layout of a set of regions; built once per endpoint (regions never move)."""
 
-    regions: tuple[_RegionRuns, ...]
+    bases: np.ndarray  # [regions] data_ptr of each region's tensor
+    strides: np.ndarray  # [regions] bytes between consecutive blocks
+    offsets: np.ndarray  # [regions, runs] byte offset of each run inside a block
     run_bytes: int
 
     @classmethod
@@ -59,13 +61,24 @@ class RunTable:
         """The table, or None when Triton is missing or a region does not qualify."""
         if triton is None or not regions or any(r.tensor.device.type != "cuda" for r in regions):
             return None
-        described = [_describe(r) for r in regions]
-        if any(d is None for d in described):
+        table = cls.from_runs([_describe(r) for r in regions])
+        if table is None or not _kernel_works(regions[0].tensor.device):
             return None
-        run_bytes = {d.run_bytes for d in described}
-        if len(run_bytes) != 1 or not _kernel_works(regions[0].tensor.device):
+        return table
+
+    @classmethod
+    def from_runs(cls, described: Sequence[_RegionRuns | None]) -> RunTable | None:
+        """The table of regions whose runs are all alike in count and length, else None."""
+        if not described or any(d is None for d in described):
             return None
-        return cls(tuple(described), run_bytes.pop())
+        if len({(d.run_bytes, len(d.offsets)) for d in described}) != 1:
+            return None
+        return cls(
+            np.array([d.base for d in described], dtype=np.int64),
+            np.array([d.block_stride for d in described], dtype=np.int64),
+            np.array([d.offsets for d in described], dtype=np.int64),
+            described[0].run_bytes,
+        )
 
     def plan(
         self,
@@ -76,23 +89,24 @@ class RunTable:
         to_staging: bool,
     ) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """Run addresses of a whole pull: an int64 array [runs, 2] of (src, dst) and, per batch,
-        its [start, end) rows. Batch i uses staging buffer i % 2. Host only, numpy."""
+        its [start, end) rows. Batch i uses staging buffer i % 2. Host only, a few numpy calls
+        per pull whatever its size (a loop per piece cost ~25 us a region)."""
         ids = np.asarray(block_ids, dtype=np.int64)
-        rows, spans, start = [], [], 0
-        for i, batch in enumerate(batches):
-            staging = staging_ptrs[i % 2]
-            for piece, offset in batch:
-                region = self.regions[piece.region]
-                chosen = ids[piece.first : piece.first + piece.count]
-                runs = len(region.offsets)
-                kv = region.base + chosen[:, None] * region.block_stride + np.asarray(region.offsets)[None, :]
-                flat = staging + offset + np.arange(piece.count * runs, dtype=np.int64) * self.run_bytes
-                pair = (kv.reshape(-1), flat) if to_staging else (flat, kv.reshape(-1))
-                rows.append(np.stack(pair, axis=1))
-            end = start + sum(p.count * len(self.regions[p.region].offsets) for p, _ in batch)
-            spans.append((start, end))
-            start = end
-        return np.concatenate(rows), spans
+        # Wire order (blocks.plan_pieces): region by region, the blocks in the order named, the
+        # runs of each block in order; pieces and batches keep that order.
+        kv = self.bases[:, None, None] + ids[None, :, None] * self.strides[:, None, None]
+        kv = (kv + self.offsets[:, None, :]).reshape(-1)
+        runs_per_block = self.offsets.shape[1]
+        pieces = [(piece.count * runs_per_block, staging_ptrs[i % 2] + offset)
+                  for i, batch in enumerate(batches) for piece, offset in batch]  # fmt: skip
+        counts = np.array([c for c, _ in pieces], dtype=np.int64)
+        piece_of_run = np.repeat(np.arange(len(pieces)), counts)
+        first_run = np.cumsum(counts) - counts
+        within = np.arange(len(kv), dtype=np.int64) - first_run[piece_of_run]
+        flat = np.array([b for _, b in pieces], dtype=np.int64)[piece_of_run] + within * self.run_bytes
+        table = np.stack((kv, flat) if to_staging else (flat, kv), axis=1)
+        ends = np.cumsum([sum(p.count for p, _ in batch) * runs_per_block for batch in batches])
+        return table, [(int(e - n), int(e)) for e, n in zip(ends, np.diff(ends, prepend=0), strict=True)]
 
 
 def upload(table: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -39,8 +39,8 @@ def round_trip(device: str) -> None:
     batches = plan(sizes, len(src_ids), 2 * sizes[0])
     staging = [torch.zeros(4 * sizes[0], dtype=torch.uint8, device=device) for _ in range(2)]
     pointers = [s.data_ptr() for s in staging]
-    gather_table = gpu_copy.RunTable(tuple(gpu_copy._describe(r) for r in src), 1024)
-    scatter_table = gpu_copy.RunTable(tuple(gpu_copy._describe(r) for r in dst), 1024)
+    gather_table = gpu_copy.RunTable.from_runs([gpu_copy._describe(r) for r in src])
+    scatter_table = gpu_copy.RunTable.from_runs([gpu_copy._describe(r) for r in dst])
     gathers, spans = gather_table.plan(src_ids, batches, pointers, to_staging=True)
     scatters, _ = scatter_table.plan(dst_ids, batches, pointers, to_staging=False)
     gathers, scatters = gpu_copy.upload(gathers, torch.device(device)), gpu_copy.upload(scatters, torch.device(device))
