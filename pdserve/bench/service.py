@@ -147,11 +147,6 @@ def _launch(serve_args: Sequence[str], log_path: Path) -> subprocess.Popen:
     """`pdserve serve` in a new session, its output (after the command line) in `log_path`."""
     command = [sys.executable, "-m", "pdserve", "serve", *serve_args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if "--ray-address" not in serve_args and "RAY_ADDRESS" not in env:
-        # Without an address, ray.init() joins the cluster of the last `ray start` on this host when
-        # there is one (/tmp/ray/ray_current_cluster), e.g. someone else's; a candidate must get a
-        # Ray of its own, as `pdserve serve` intends. "local" always starts a new one.
-        env["RAY_ADDRESS"] = "local"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         log.write("$ " + " ".join(command) + "\n")
