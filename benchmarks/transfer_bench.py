@@ -301,7 +301,8 @@ def run(args: argparse.Namespace) -> tuple[Shape, list[Result]]:
                     verified = bench.verify_last_pull()
                     results.append(Result(name, nbytes, seconds, "", phases, gpu_gbps, verified))
                 if "fake" in wanted:
-                    seconds = bench.time_pulls(fake_sink, blocks_per_pull, fake_source.address, fake_source.pin)
+                    pin = fake_source.pin
+                    seconds = bench.time_pulls(fake_sink, blocks_per_pull, fake_source.address, pin)
                     results.append(Result("fake", nbytes, seconds))
                 if "raw-socket" in wanted:
                     results.append(Result("raw-socket", nbytes, bench.socket_baseline(nbytes), "grpc, gloo"))
@@ -370,7 +371,9 @@ def main() -> int:
         help="comma-separated subset of grpc,nccl,fake,raw-socket (peer-copy always runs on 2 GPUs)",
     )
     parser.add_argument(
-        "--gil-load", action="store_true", help="a busy pure-Python thread in both processes (as in an engine)"
+        "--gil-load",
+        action="store_true",
+        help="a busy pure-Python thread in both processes (as in an engine)",
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()

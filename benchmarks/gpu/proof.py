@@ -415,13 +415,14 @@ def plot(arms: dict, results: Path) -> None:
     fig, axes = plt.subplots(1, len(TPOT_TARGETS_MS) + 2, figsize=(5 * (len(TPOT_TARGETS_MS) + 2), 4))
     for name, record in arms.items():
         per_gpu = [row["rate"] / record["num_gpus"] for row in record["rates"]]
+        label = LABELS[name]
         for ax, x in zip(axes, TPOT_TARGETS_MS, strict=False):
-            ax.plot(per_gpu, [row["attainment"][f"{x:g}"] for row in record["rates"]], "o-", label=LABELS[name])
+            ax.plot(per_gpu, [row["attainment"][f"{x:g}"] for row in record["rates"]], "o-", label=label)
             ax.set_title(f"TTFT <= {TTFT_MS:g} ms, TPOT <= {x:g} ms")
             ax.set_ylabel("share of requests meeting both")
-        axes[-2].plot(per_gpu, [row["bench"]["p90_tpot_ms"] for row in record["rates"]], "o-", label=LABELS[name])
+        axes[-2].plot(per_gpu, [row["bench"]["p90_tpot_ms"] for row in record["rates"]], "o-", label=label)
         axes[-2].set_title("TPOT p90 (ms)")
-        axes[-1].plot(per_gpu, [row["bench"]["p90_ttft_ms"] for row in record["rates"]], "o-", label=LABELS[name])
+        axes[-1].plot(per_gpu, [row["bench"]["p90_ttft_ms"] for row in record["rates"]], "o-", label=label)
         axes[-1].set_title("TTFT p90 (ms)")
         axes[-1].set_yscale("log")
     for ax in axes[: len(TPOT_TARGETS_MS)]:

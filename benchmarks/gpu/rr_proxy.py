@@ -1,6 +1,7 @@
 """A round-robin HTTP proxy in front of several OpenAI-compatible servers (the plain-vLLM arm).
 
-    python benchmarks/gpu/rr_proxy.py --port 8000 --backend http://127.0.0.1:8100 --backend http://127.0.0.1:8101
+    python benchmarks/gpu/rr_proxy.py --port 8000 \
+        --backend http://127.0.0.1:8100 --backend http://127.0.0.1:8101
 
 Each POST goes to the next backend in turn; GETs (/health, /v1/models, /metrics) go to the first,
 except /health, which is 200 only when every backend answers 200. Responses stream through

@@ -288,7 +288,8 @@ class NcclSource(GrpcSource):
                 self._serve_pull(pair, conn, header)
         except Exception as exc:  # noqa: BLE001 - a broken pair is dropped; its sink fails its pull
             closed = self._closing or isinstance(exc, ConnectionError)
-            logger.log(logging.DEBUG if closed else logging.WARNING, "KV pair %s ended: %s", pair.pair_id, exc)
+            level = logging.DEBUG if closed else logging.WARNING
+            logger.log(level, "KV pair %s ended: %s", pair.pair_id, exc)
         finally:
             with self._pairs_lock:
                 self._pairs.pop(pair.pair_id, None)

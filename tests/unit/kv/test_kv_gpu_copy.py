@@ -28,10 +28,9 @@ def round_trip(device: str) -> None:
 
     def regions(seed_offset: int) -> list[BlockRegion]:
         shape = (2, 20, 4, 2, 64)  # [K/V, blocks, block tokens, heads, head dim]: 2 runs of 1 KiB
-        return [
-            BlockRegion((torch.randn(shape, generator=generator) + seed_offset).to(torch.bfloat16).to(device), 1)
-            for _ in range(3)
-        ]
+        tensors = [torch.randn(shape, generator=generator) + seed_offset for _ in range(3)]
+        tensors = [t.to(torch.bfloat16) for t in tensors]
+        return [BlockRegion(t.to(device), 1) for t in tensors]
 
     src, dst = regions(0), [BlockRegion(torch.zeros_like(r.tensor), 1) for r in regions(1)]
     src_ids, dst_ids = [5, 1, 7, 19, 3], [0, 2, 4, 6, 8]
@@ -43,7 +42,8 @@ def round_trip(device: str) -> None:
     scatter_table = gpu_copy.RunTable.from_runs([gpu_copy._describe(r) for r in dst])
     gathers, spans = gather_table.plan(src_ids, batches, pointers, to_staging=True)
     scatters, _ = scatter_table.plan(dst_ids, batches, pointers, to_staging=False)
-    gathers, scatters = gpu_copy.upload(gathers, torch.device(device)), gpu_copy.upload(scatters, torch.device(device))
+    gathers = gpu_copy.upload(gathers, torch.device(device))
+    scatters = gpu_copy.upload(scatters, torch.device(device))
     index = blocks.block_index(src_ids, torch.device(device))
     for i, batch in enumerate(batches):
         gpu_copy.copy_runs(gathers, spans[i], 1024)
