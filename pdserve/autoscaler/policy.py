@@ -18,7 +18,8 @@ scale-up, and comfort (latency under `downscale_latency_ratio` x target and load
 under `downscale_utilization` with one engine fewer) for `downscale_intervals` before a
 scale-down; each direction has a cooldown after any change; engines still starting count as
 present (no double scale-up while the first is booting). A scale-up adds enough engines to bring
-the load back to `target_utilization` (at most `max_step`); a scale-down removes one. Bounds win
+the load back to `target_utilization` (at most `max_step`; a latency breach alone adds one);
+a scale-down removes one. Bounds win
 over everything. Every decision carries a reason (a fixed set, used as a metric label) and a
 human-readable detail.
 """
@@ -158,18 +159,22 @@ def _pressure(s: PoolSignals, ttft_t: float, tpot_t: float,
               p: ScalingPolicy) -> tuple[str, str, float] | None:
     """(reason, detail, load as a multiple of capacity) of the strongest pressure, or None."""
     trusted = s.samples >= p.min_samples
+    # A latency breach says "more", not "how many": a backlog keeps latency high for a while
+    # after capacity is back. Its load is one engine more than now, unless the measured load
+    # (arrivals over capacity) asks for more.
+    one_more = p.target_utilization * (s.replicas + 1) / max(s.replicas, 1)
     found: list[tuple[str, str, float]] = []
     if s.pool in ("prefill", "colocated"):
         if trusted and s.ttft_s is not None and s.ttft_s > ttft_t:
             found.append((TTFT_BREACH, f"TTFT {s.ttft_s * 1e3:.0f} ms > {ttft_t * 1e3:.0f} ms",
-                          max(s.prefill_utilization, s.ttft_s / ttft_t * p.target_utilization)))
+                          max(s.prefill_utilization, one_more)))
         if s.prefill_utilization > p.target_utilization:
             found.append((PREFILL_LOAD, f"prefill load {s.prefill_utilization:.2f}",
                           s.prefill_utilization))
     if s.pool in ("decode", "colocated"):
         if trusted and s.tpot_s is not None and s.tpot_s > tpot_t:
             found.append((TPOT_BREACH, f"TPOT {s.tpot_s * 1e3:.1f} ms > {tpot_t * 1e3:.1f} ms",
-                          max(s.decode_utilization, s.tpot_s / tpot_t * p.target_utilization)))
+                          max(s.decode_utilization, one_more)))
         if s.kv_usage > p.kv_high:
             found.append((KV_PRESSURE, f"KV usage {s.kv_usage:.2f}",
                           s.kv_usage / p.kv_high * p.target_utilization))

@@ -17,7 +17,7 @@ Request accounting, per leg:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.autoscaler.policy import PoolSignals
@@ -83,10 +83,14 @@ class _Pool:
 
 
 class GlobalScheduler:
-    def __init__(self, pools: Sequence[str], seed: PerfModel, slo: SloTargets | None = None,
-                 policy: RoutingPolicy = RoutingPolicy(), window_s: float = 30.0,
-                 prefix_aware: bool = True, prefix_block_size: int = 16) -> None:
-        self._pools = {name: _Pool(name, OnlineFit(seed)) for name in pools}
+    def __init__(self, pools: Sequence[str], seed: PerfModel | Mapping[str, PerfModel],
+                 slo: SloTargets | None = None, policy: RoutingPolicy = RoutingPolicy(),
+                 window_s: float = 30.0, prefix_aware: bool = True,
+                 prefix_block_size: int = 16) -> None:
+        """`seed`: one model for every pool, or one per pool name (pools on different
+        hardware)."""
+        seeds = seed if isinstance(seed, Mapping) else {name: seed for name in pools}
+        self._pools = {name: _Pool(name, OnlineFit(seeds[name])) for name in pools}
         self.slo = slo
         self.policy = policy
         self.tracker = SloTracker(window_s)
@@ -100,6 +104,17 @@ class GlobalScheduler:
                    ready: bool = True) -> None:
         self._pools[pool].engines[replica_id] = EngineState(
             replica_id, pool, block_size, max(num_kv_blocks, 1), ready=ready)
+
+    def mark_ready(self, pool: str, replica_id: str) -> None:
+        """A starting engine has started: route to it from now on."""
+        self._pools[pool].engines[replica_id].ready = True
+
+    def drain(self, pool: str, replica_id: str) -> EngineState:
+        """Stop routing to the engine; it may be removed once `idle` (requests it runs, requests
+        placed on it, and KV that decode engines still have to pull from it are all done)."""
+        state = self._pools[pool].engines[replica_id]
+        state.draining = True
+        return state
 
     def engine(self, pool: str, replica_id: str) -> EngineState:
         return self._pools[pool].engines[replica_id]
@@ -199,7 +214,11 @@ class GlobalScheduler:
     def token_gap(self, pool: str, replica_id: str, seconds: float, tokens: int) -> None:
         """`tokens` new tokens arrived `seconds` after the previous ones on this engine."""
         state = self._pools[pool].engines.get(replica_id)
-        if state is not None and tokens > 0 and state.num_decoding > 0:
+        # Only gaps of decode-only steps: a prefill running on the same engine (colocated,
+        # chunked prefill, local prefill) stretches a step by its own cost, which would make
+        # the decode line look steeper than it is.
+        if (state is not None and tokens > 0 and state.num_decoding > 0
+                and state.num_prefilling == 0):
             self._pools[pool].fit.observe_decode(state.num_decoding, seconds / tokens)
 
     def transfer_observed(self, tokens: int, seconds: float) -> None:

@@ -430,15 +430,17 @@ class RayBackend:
             if not isinstance(e, Exception):
                 raise
             return
-        self._register(replica, ready=True)
+        state = self.scheduler.engine(role.value, replica_id)
+        state.block_size = replica.info.block_size
+        state.num_kv_blocks = max(replica.info.num_kv_blocks, 1)
+        self.scheduler.mark_ready(role.value, replica_id)
         logger.info("engine %s is serving", replica_id)
         self._publish_pool_sizes()
 
     async def _drain_replica(self, replica: Replica) -> None:
         role, sched = replica.pool, self.scheduler
         replica.draining = True
-        state = sched.engine(role.value, replica.replica_id)
-        state.draining = True
+        state = sched.drain(role.value, replica.replica_id)
         self._publish_pool_sizes()
         deadline = time.monotonic() + self._config.autoscale.drain_timeout_s
         while replica.in_flight or not state.idle:
