@@ -202,3 +202,54 @@ async def test_admission_limit_returns_429_with_retry_after():
         assert (await slow).status_code == 200
         again = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
         assert again.status_code == 200
+
+
+class _RefusingBackend:
+    """Delegates to a real backend but refuses (as the scheduler's admission does) on demand."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.refuse = None
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    @property
+    def info(self):
+        return self._inner.info
+
+    @property
+    def pools(self):
+        return self._inner.pools
+
+    @property
+    def serving_pool(self):
+        return self._inner.serving_pool
+
+    def generate(self, request):
+        if self.refuse is not None:
+            raise self.refuse
+        return self._inner.generate(request)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_scheduler_refusal_is_a_429_or_503_before_any_byte(stream):
+    from pdserve.errors import EngineUnavailableError, OverloadedError
+
+    inner = make_backend()
+    await inner.start()
+    backend = _RefusingBackend(inner)
+    app = build_app(backend, tiny_tokenizer(), MODEL)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": stream}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        backend.refuse = OverloadedError(7.4, "ttft_slo", 12.0)
+        r = await http.post("/v1/completions", json=body)
+        assert r.status_code == 429 and r.headers["retry-after"] == "7"
+        assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        assert "ttft_slo" in r.json()["error"]["message"]
+        backend.refuse = EngineUnavailableError("no engine can take requests in pool 'decode'")
+        r = await http.post("/v1/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        backend.refuse = None  # the server keeps serving
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+    await inner.shutdown()
