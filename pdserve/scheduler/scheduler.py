@@ -61,7 +61,10 @@ class EngineState:
         # Blocks the frontend has committed but the engine's last report may not show yet are
         # not tracked: the engine's usage lags by one stats interval at most.
         free = math.floor(self.num_kv_blocks * (1.0 - self.kv_usage))
-        return EngineLoad(self.replica_id, self.queued_prefill_tokens, self.num_decoding, free,
+        # Requests placed here but still prefilling elsewhere will join this engine's batch:
+        # counting them keeps a burst of simultaneous placements from piling onto one engine.
+        batch = max(self.num_decoding, self.reserved)
+        return EngineLoad(self.replica_id, self.queued_prefill_tokens, batch, free,
                           self.block_size, self.healthy, self.accepting)
 
 

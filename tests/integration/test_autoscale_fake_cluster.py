@@ -63,11 +63,14 @@ def _stop_cluster(port: int) -> None:
 
 def _nodes(address: str) -> list[dict]:
     code = ("import json, ray; ray.init(address=%r, logging_level='ERROR');"
-            "print(json.dumps([n['Resources'] for n in ray.nodes() if n['Alive']]))" % address)
+            "print('NODES=' + json.dumps([n['Resources'] for n in ray.nodes() if n['Alive']]))"
+            % address)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env=_ray_env())
     assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # Ray forwards autoscaler events to the driver's stdout too: take our line only.
+    line = next(l for l in out.stdout.splitlines() if l.startswith("NODES="))
+    return json.loads(line.removeprefix("NODES="))
 
 
 def _count(nodes: list[dict], resource: str) -> int:

@@ -116,3 +116,20 @@ def test_scheduler_accounting_drives_routing_and_drains():
     # A draining engine gets nothing new.
     state.draining = True
     assert sched.route(prompt, 20).prefill == "prefill-1"
+
+
+def test_simultaneous_placements_spread_over_decode_engines():
+    sched = GlobalScheduler(["prefill", "decode"],
+                            PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01),
+                            prefix_aware=False)
+    sched.add_engine("prefill", "prefill-0", 16, 1000)
+    for i in range(2):
+        sched.add_engine("decode", f"decode-{i}", 16, 1000)
+    # 16 requests placed before any reaches its decode engine (all still prefilling): the
+    # placements themselves count, so a flat decode cost still splits them evenly.
+    chosen = []
+    for n in range(16):
+        placement = sched.route(list(range(n, n + 20)), 8)
+        sched.reserve(placement)
+        chosen.append(placement.decode)
+    assert chosen.count("decode-0") == chosen.count("decode-1") == 8
