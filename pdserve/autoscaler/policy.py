@@ -33,7 +33,6 @@ from dataclasses import dataclass, replace
 TTFT_BREACH = "ttft_breach"
 PREFILL_LOAD = "prefill_load"
 TPOT_BREACH = "tpot_breach"
-DECODE_LOAD = "decode_load"
 KV_PRESSURE = "kv_pressure"
 IDLE = "idle"
 BELOW_MIN = "below_min"

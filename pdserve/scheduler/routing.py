@@ -128,14 +128,9 @@ def place(
     policy: RoutingPolicy = RoutingPolicy(),
 ) -> Placement | Rejection:
     """Disaggregated placement of one request (see the module docstring)."""
-    decoders = [d for d in decode if d.healthy and d.accepting]
-    if not decoders:
-        return Rejection(1.0, "no_engine")
-    roomy = [d for d in decoders if d.kv_free_blocks >= blocks_needed(request, d.block_size)]
-    if not roomy:
-        # Blocks free up as running requests finish: about one request's decode time.
-        return Rejection(_retry_after(decode_model.decode_step_time(1) * request.max_tokens),
-                         "kv_capacity")
+    roomy = _roomy(request, decode, decode_model)
+    if isinstance(roomy, Rejection):
+        return roomy
     # Ties (e.g. a flat decode cost) go to the smaller batch, then to more free KV.
     best_decode = min(roomy, key=lambda d: (predicted_tpot(d, decode_model), d.num_decoding,
                                             -d.kv_free_blocks, d.replica_id))
@@ -181,18 +176,28 @@ def place_colocated(
     policy: RoutingPolicy = RoutingPolicy(),
 ) -> Placement | Rejection:
     """Colocated placement: lowest predicted TTFT, then decode headroom."""
-    ready = [e for e in engines if e.healthy and e.accepting]
-    if not ready:
-        return Rejection(1.0, "no_engine")
-    roomy = [e for e in ready if e.kv_free_blocks >= blocks_needed(request, e.block_size)]
-    if not roomy:
-        return Rejection(_retry_after(model.decode_step_time(1) * request.max_tokens),
-                         "kv_capacity")
+    roomy = _roomy(request, engines, model)
+    if isinstance(roomy, Rejection):
+        return roomy
     best = min(roomy, key=lambda e: (predicted_ttft(e, request, model), predicted_tpot(e, model),
                                      e.num_decoding, -e.kv_free_blocks, e.replica_id))
     chosen = Placement(best.replica_id, None, predicted_ttft(best, request, model),
                        predicted_tpot(best, model), "colocated")
     return _admit(chosen, slo, policy)
+
+
+def _roomy(request: RouteRequest, engines: Sequence[EngineLoad],
+           model: PerfModel) -> list[EngineLoad] | Rejection:
+    """The engines that take requests and have KV room for this one, or why there are none."""
+    ready = [e for e in engines if e.healthy and e.accepting]
+    if not ready:
+        return Rejection(1.0, "no_engine")
+    roomy = [e for e in ready if e.kv_free_blocks >= blocks_needed(request, e.block_size)]
+    if not roomy:
+        # Blocks free up as running requests finish: about one request's decode time.
+        return Rejection(_retry_after(model.decode_step_time(1) * request.max_tokens),
+                         "kv_capacity")
+    return roomy
 
 
 def _admit(chosen: Placement, slo: SloTargets | None, policy: RoutingPolicy) -> Placement | Rejection:

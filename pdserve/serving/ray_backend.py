@@ -258,6 +258,7 @@ class RayBackend:
             sched.decode_started(pool, replica.replica_id)
             decoding = True
         started = previous = time.monotonic()
+        first_delta = True
         replica.in_flight += 1
         finished = False
         try:
@@ -271,12 +272,12 @@ class RayBackend:
                     if kind == "full" and not delta.finished:
                         sched.decode_started(pool, replica.replica_id)
                         decoding = True
-                elif kind == "decode" and previous == started:
+                elif kind == "decode" and first_delta:
                     # A decode leg's first token comes after the pull and one step.
                     sched.transfer_observed(len(request.prompt_token_ids), now - started)
                 elif delta.token_ids:
                     sched.token_gap(pool, replica.replica_id, now - previous, len(delta.token_ids))
-                previous = now
+                previous, first_delta = now, False
                 finished = delta.finished
                 yield delta
                 if finished:
@@ -362,8 +363,7 @@ class RayBackend:
                 for decision in self.autoscaler.evaluate(self.scheduler, time.monotonic()):
                     self._record_decision(decision)
                     if decision.delta:
-                        await self.scale_to(PoolRole(decision.pool), decision.target,
-                                            decision.reason)
+                        await self.scale_to(PoolRole(decision.pool), decision.target)
             except Exception:
                 logger.exception("autoscaling step failed")
 
@@ -375,7 +375,7 @@ class RayBackend:
             logger.info("scaling %s %s: %d -> %d (%s: %s)", decision.pool, decision.direction,
                         decision.current, decision.target, decision.reason, decision.detail)
 
-    async def scale_to(self, role: PoolRole, target: int, reason: str = "manual") -> None:
+    async def scale_to(self, role: PoolRole, target: int) -> None:
         """Start or drain engines so that `role`'s pool heads for `target` serving engines.
 
         Adds run in the background (an engine takes up to minutes to start); a drain picks
@@ -395,9 +395,8 @@ class RayBackend:
         if target < len(serving):
             candidates = sorted(
                 (r for r in serving if r.info is not None),
-                key=lambda r: (self.scheduler.engine(role.value, r.replica_id).idle is False,
-                               r.in_flight, r.replica_id),
-                reverse=False)
+                key=lambda r: (not self.scheduler.engine(role.value, r.replica_id).idle,
+                               r.in_flight, r.replica_id))
             for replica in candidates[: len(serving) - target]:
                 self._spawn(self._drain_replica(replica))
         self._publish_pool_sizes()

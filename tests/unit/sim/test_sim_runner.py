@@ -98,8 +98,7 @@ def test_autoscaler_adds_engines_under_load_and_drains_them_after(profile):
     run = simulate(config, concat([heavy, light]))
     ups = [(t, d) for t, d in run.decisions if d.delta > 0]
     downs = [(t, d) for t, d in run.decisions if d.delta < 0]
-    pressure = {policy.TTFT_BREACH, policy.PREFILL_LOAD, policy.TPOT_BREACH, policy.DECODE_LOAD,
-                policy.KV_PRESSURE}
+    pressure = {policy.TTFT_BREACH, policy.PREFILL_LOAD, policy.TPOT_BREACH, policy.KV_PRESSURE}
     assert ups and all(d.reason in pressure for _, d in ups)
     assert downs and all(d.reason == policy.IDLE for _, d in downs)
     added = [e for e in run.engines if e.replica_id != "colocated-0"]
