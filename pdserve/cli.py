@@ -42,6 +42,7 @@ _SERVE_FLAGS: dict[str, str] = {
     "max_prefill": "autoscale.prefill.max_replicas",
     "min_decode": "autoscale.decode.min_replicas",
     "max_decode": "autoscale.decode.max_replicas",
+    "max_gpus": "autoscale.max_gpus",
     "profile": "scheduler.profile",
 }
 
@@ -113,6 +114,7 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--max-prefill", type=int, help="autoscale: most prefill engines")
     p.add_argument("--min-decode", type=int, help="autoscale: fewest decode engines")
     p.add_argument("--max-decode", type=int, help="autoscale: most decode engines")
+    p.add_argument("--max-gpus", type=int, help="autoscale: most GPUs of all pools together")
     p.add_argument("--profile", help="calibration JSON that seeds the performance model")
     p.add_argument("--ray-address", help="join this Ray cluster ('auto' for the local one)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

@@ -2,7 +2,9 @@
 
 `Autoscaler.evaluate(scheduler, now)` reads each pool's signals from the `GlobalScheduler`,
 runs the pure policy (`policy.decide`) per pool with that pool's bounds and remembered state,
-and returns the decisions. Whoever calls it applies them: `RayBackend` adds or drains engine
+fits the scale-ups into a shared device budget when one is set (`max_gpus`: a fixed cluster, so
+the pools compete for its GPUs and the autoscaler picks the prefill:decode ratio), and returns
+the decisions. Whoever calls it applies them: `RayBackend` adds or drains engine
 actors, the simulator adds or removes simulated engines. A log of recent decisions is kept for
 /metrics and for the benchmark plots.
 """
@@ -12,8 +14,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 
+from dataclasses import replace
+
 from pdserve.autoscaler.policy import (
-    PoolBounds, ScalingDecision, ScalingPolicy, ScalingState, decide,
+    AT_BUDGET, LATENCY_REASONS, PoolBounds, ScalingDecision, ScalingPolicy, ScalingState, decide,
 )
 from pdserve.scheduler.scheduler import GlobalScheduler
 
@@ -21,8 +25,11 @@ from pdserve.scheduler.scheduler import GlobalScheduler
 class Autoscaler:
     def __init__(self, bounds: Mapping[str, PoolBounds], ttft_target_s: float,
                  tpot_target_s: float, policy: ScalingPolicy = ScalingPolicy(),
-                 history: int = 10_000) -> None:
+                 history: int = 10_000, max_gpus: int | None = None,
+                 gpus_per_engine: Mapping[str, int] | None = None) -> None:
         self.bounds = dict(bounds)
+        self.max_gpus = max_gpus
+        self.gpus_per_engine = {pool: 1 for pool in self.bounds} | dict(gpus_per_engine or {})
         self.ttft_target_s = ttft_target_s
         self.tpot_target_s = tpot_target_s
         self.policy = policy
@@ -30,15 +37,47 @@ class Autoscaler:
         self.history: deque[tuple[float, ScalingDecision]] = deque(maxlen=history)
 
     def evaluate(self, scheduler: GlobalScheduler, now: float) -> list[ScalingDecision]:
-        decisions = []
+        proposed = {}
         for pool, bounds in self.bounds.items():
-            signals = scheduler.signals(pool, now)
-            decision, self._states[pool] = decide(
-                signals, self._states[pool], bounds, self.ttft_target_s, self.tpot_target_s,
-                now, self.policy)
+            proposed[pool] = decide(
+                scheduler.signals(pool, now), self._states[pool], bounds, self.ttft_target_s,
+                self.tpot_target_s, now, self.policy)
+        if self.max_gpus is not None:
+            proposed = self._within_budget(proposed)
+        decisions = []
+        for pool, (decision, state) in proposed.items():
+            self._states[pool] = state
             decisions.append(decision)
             self.history.append((now, decision))
         return decisions
+
+    def _within_budget(self, proposed: dict[str, tuple[ScalingDecision, ScalingState]]):
+        """Trims scale-ups to the GPUs left under `max_gpus` after every other pool's target.
+        Latency breaches are served before load forecasts, then the larger shortfall; a trimmed
+        pool keeps its pressure streak (not a cooldown), so it scales as soon as GPUs free up,
+        e.g. when the other pool's idle engine has drained."""
+        gpus = self.gpus_per_engine
+        used = sum(min(d.current, d.target) * gpus[pool] for pool, (d, _) in proposed.items())
+        ups = sorted((pool for pool, (d, _) in proposed.items() if d.delta > 0),
+                     key=lambda pool: (proposed[pool][0].reason not in LATENCY_REASONS,
+                                       -proposed[pool][0].delta))
+        out = dict(proposed)
+        for pool in ups:
+            decision, state = proposed[pool]
+            fits = max(0, (self.max_gpus - used) // gpus[pool])
+            granted = min(decision.delta, fits)
+            used += granted * gpus[pool]
+            if granted == decision.delta:
+                continue
+            detail = f"{decision.detail}; {self.max_gpus} GPUs in use or promised"
+            if granted > 0:
+                out[pool] = (replace(decision, target=decision.current + granted, detail=detail), state)
+            else:  # nothing fits: no change, and no cooldown started
+                waiting = ScalingState(up_streak=self.policy.upscale_intervals, down_streak=0,
+                                       last_change_s=self._states[pool].last_change_s)
+                out[pool] = (replace(decision, target=decision.current, reason=AT_BUDGET,
+                                     detail=detail), waiting)
+        return out
 
 
 def scaling_policy_from_config(autoscale) -> ScalingPolicy:

@@ -228,6 +228,9 @@ class AutoscaleConfig(_Section):
         0.5, gt=0, le=1, description="Remove an engine only if load stays under this without it.")
     kv_high: float = Field(0.85, gt=0, le=1, description="Decode KV usage that counts as pressure.")
     max_step: int = Field(4, ge=1, description="Most engines one scale-up adds.")
+    max_gpus: int | None = Field(
+        None, ge=1, description="GPUs all pools may hold together (engines, on CPU): on a fixed "
+        "cluster the pools compete for them, latency breaches first. None: only the pool bounds.")
     drain_timeout_s: float = Field(
         600.0, gt=0, description="Longest wait for a draining engine's requests (and pinned KV) "
         "before it is stopped anyway.",

@@ -111,7 +111,11 @@ class RayBackend:
                                         config.autoscale.bounds(role).max_replicas)
                  for role in pools},
                 slo.ttft_ms / 1000, slo.tpot_ms / 1000,
-                scaling_policy_from_config(config.autoscale))
+                scaling_policy_from_config(config.autoscale),
+                max_gpus=config.autoscale.max_gpus,
+                # Budget units: each engine's GPUs, or one per engine on CPU.
+                gpus_per_engine={role.value: max(1, int(actor_options(config, role, "")["num_gpus"]))
+                                 for role in pools})
 
     @classmethod
     async def launch(cls, config: PdserveConfig, model: ResolvedModel,

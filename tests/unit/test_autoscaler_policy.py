@@ -168,3 +168,58 @@ def test_requests_still_waiting_past_the_target_count_as_a_breach():
         sched.prefill_started("prefill", "prefill-0", 100, now=9.0)
     signals = sched.signals("prefill", now=11.0)
     assert signals.ttft_s > TTFT and signals.samples == 15
+
+
+# --- a shared GPU budget (autoscale.max_gpus) ---------------------------------------------
+
+
+def breach_both(sched, t0: float) -> None:
+    """Slow first tokens and slow decode at once: both pools want an engine."""
+    for t in range(20):
+        sched.request_finished("prefill", "decode", now=t0 + t, ttft_s=2.0, tpot_s=0.2)
+
+
+def test_a_gpu_budget_grants_what_fits_and_the_other_pool_waits_without_a_cooldown():
+    sched = scheduler()
+    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY, max_gpus=3)
+    breach_both(sched, 0.0)
+    scaler.evaluate(sched, now=20.0)
+    decisions = {d.pool: d for d in scaler.evaluate(sched, now=25.0)}
+    # 2 engines held, 3 GPUs: one of the two scale-ups fits.
+    assert sum(d.target for d in decisions.values()) == 3
+    grown = next(d for d in decisions.values() if d.direction == "up")
+    waiting = next(d for d in decisions.values() if d.direction == "none")
+    assert waiting.reason == "at_budget" and "3 GPUs" in waiting.detail
+    # The grown pool's engine now holds the third GPU: the other pool still waits.
+    sched.add_engine(grown.pool, f"{grown.pool}-1", 16, 10_000)
+    again = {d.pool: d for d in scaler.evaluate(sched, now=26.0)}
+    assert again[waiting.pool].reason == "at_budget" and again[grown.pool].direction == "none"
+    # Once a GPU frees (the grown pool's engine goes), the waiting pool scales on the very next
+    # evaluation: its pressure streak was kept and no cooldown started.
+    sched.remove_engine(grown.pool, f"{grown.pool}-1")
+    freed = {d.pool: d for d in scaler.evaluate(sched, now=27.0)}
+    assert freed[waiting.pool].direction == "up"
+
+
+def test_a_gpu_budget_counts_each_engines_gpus_and_serves_latency_breaches_first():
+    sched = scheduler()
+    for t in range(30):  # prompt load (a forecast, not a breach) on prefill...
+        ticket = sched.prefill_started("prefill", "prefill-0", 3000, now=float(t))
+        sched.first_token(ticket, now=t + 0.2, observe=False)
+    for t in range(20):  # ...and a measured TPOT breach on decode
+        sched.request_finished("prefill", "decode", now=float(t), ttft_s=0.1, tpot_s=0.2)
+    # decode engines are TP2: 1 + 2 GPUs held, budget 5: the decode breach takes the 2 left.
+    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY, max_gpus=5,
+                        gpus_per_engine={"decode": 2})
+    scaler.evaluate(sched, now=30.0)
+    decisions = {d.pool: d for d in scaler.evaluate(sched, now=35.0)}
+    assert (decisions["decode"].reason, decisions["decode"].target) == ("tpot_breach", 2)
+    assert (decisions["prefill"].reason, decisions["prefill"].target) == ("at_budget", 1)
+
+
+def test_without_a_budget_both_pools_scale():
+    sched = scheduler()
+    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY)
+    breach_both(sched, 0.0)
+    scaler.evaluate(sched, now=20.0)
+    assert {d.direction for d in scaler.evaluate(sched, now=25.0)} == {"up"}
