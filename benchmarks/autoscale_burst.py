@@ -7,6 +7,11 @@ not the 2-core CPU), drives it through quiet / burst / quiet phases of Poisson a
 share of requests meeting both SLO targets per 5 s bucket, with each scaling decision.
 
     .venv/bin/python benchmarks/autoscale_burst.py --out benchmarks/results/autoscale/DATE
+
+With `--engine vllm --model DIR` it runs real vLLM engines instead (a GPU host; DIR holds a
+config.json and tokenizer, weights are vLLM's `dummy`), starting from 1P1D with every other
+`pdserve serve` flag passed through `--serve-arg` (bounds, `--max-gpus`, SLO); see
+benchmarks/gpu/x4.sh for the 4-GPU ramp of issue 7.
 """
 
 from __future__ import annotations
@@ -35,38 +40,49 @@ def main() -> int:
                    help="rate:seconds:name,... (requests/s)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra `pdserve serve` argument (repeat)")
+    p.add_argument("--engine", choices=("mock", "vllm"), default="mock")
+    p.add_argument("--model", type=Path, help="--engine vllm: config.json + tokenizer directory")
+    p.add_argument("--vocab-size", type=int, default=500, help="prompt token ids are below this")
     args = p.parse_args()
+    if args.engine == "vllm" and args.model is None:
+        p.error("--engine vllm needs --model")
     phases = [Phase(float(r), float(s), n) for r, s, n in
               (item.split(":") for item in args.phases.split(","))]
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "tiny"
-        tiny_tokenizer().save_pretrained(model_dir)
-        (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
-        serve_args = [
-            "--engine", "mock", "--model", str(model_dir), "--served-model-name", "tiny",
-            "--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--autoscale",
-            "--ttft-ms", str(args.ttft_ms), "--tpot-ms", str(args.tpot_ms),
-            "--max-prefill", "4", "--max-decode", "4",
-            "--set", "engine.mock.prefill_tokens_per_s=5000",
-            "--set", "engine.mock.decode_step_s=0.03",
-            "--set", "engine.mock.decode_step_per_seq_s=0.0005",
-            "--set", "engine.mock.max_model_len=4096",
-            "--set", "pools.prefill.num_cpus=0.1", "--set", "pools.decode.num_cpus=0.1",
-            "--set", "autoscale.interval_s=2", "--set", "autoscale.upscale_cooldown_s=6",
-            "--set", "autoscale.downscale_cooldown_s=10", "--set", "autoscale.downscale_intervals=3",
-            "--set", "scheduler.window_s=10", "--set", "scheduler.admit_ttft_factor=20",
-            *args.serve_arg]
-        server = start_server(serve_args, args.out / "pdserve.log", start_timeout_s=300)
+        common = ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--autoscale",
+                  "--ttft-ms", str(args.ttft_ms), "--tpot-ms", str(args.tpot_ms),
+                  "--served-model-name", "tiny"]
+        if args.engine == "mock":
+            model_dir = Path(tmp) / "tiny"
+            tiny_tokenizer().save_pretrained(model_dir)
+            (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
+            serve_args = [
+                "--engine", "mock", "--model", str(model_dir), *common,
+                "--max-prefill", "4", "--max-decode", "4",
+                "--set", "engine.mock.prefill_tokens_per_s=5000",
+                "--set", "engine.mock.decode_step_s=0.03",
+                "--set", "engine.mock.decode_step_per_seq_s=0.0005",
+                "--set", "engine.mock.max_model_len=4096",
+                "--set", "pools.prefill.num_cpus=0.1", "--set", "pools.decode.num_cpus=0.1",
+                "--set", "autoscale.interval_s=2", "--set", "autoscale.upscale_cooldown_s=6",
+                "--set", "autoscale.downscale_cooldown_s=10", "--set", "autoscale.downscale_intervals=3",
+                "--set", "scheduler.window_s=10", "--set", "scheduler.admit_ttft_factor=20",
+                *args.serve_arg]
+        else:  # real engines: bounds, budget, engine and autoscale settings from --serve-arg
+            serve_args = ["--model", str(args.model), *common, *args.serve_arg]
+        server = start_server(serve_args, args.out / "pdserve.log", start_timeout_s=900)
         try:
             run = asyncio.run(run_phases(server.base_url, "tiny", phases, args.prompt_tokens,
-                                         args.output_tokens, ("prefill", "decode"), settle_s=5))
+                                         args.output_tokens, ("prefill", "decode"), settle_s=5,
+                                         vocab_size=args.vocab_size))
         finally:
             server.stop()
     ttft_s, tpot_s = args.ttft_ms / 1000, args.tpot_ms / 1000
     summary = {
         "command": " ".join([sys.executable, *sys.argv]),
-        "machine": f"{platform.node()} {platform.machine()} (mock engines: latency model, no model)",
+        "machine": f"{platform.node()} {platform.machine()} " + (
+            "(mock engines: latency model, no model)" if args.engine == "mock" else _gpus()),
         "serve_args": serve_args[4:] if len(serve_args) > 4 else serve_args,
         "slo": {"ttft_s": ttft_s, "tpot_s": tpot_s},
         "phases": [{"rate": p.rate, "seconds": p.seconds, "name": p.name} for p in phases],
@@ -77,6 +93,7 @@ def main() -> int:
         "max_pool": {pool: max((r[pool] or 0) for r in run.pools) for pool in ("prefill", "decode")},
         "final_pool": {pool: run.pools[-1][pool] for pool in ("prefill", "decode")},
         "decisions": [d for d in run.decisions if d["direction"] != "none"],
+        "pool_timeline": _changes(run.pools),
     }
     (args.out / "run.json").write_text(run.to_json())
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -84,6 +101,29 @@ def main() -> int:
     print(json.dumps({k: summary[k] for k in ("requests", "failed", "attainment", "max_pool",
                                                "final_pool")}, indent=1))
     return 0
+
+
+def _changes(samples: list[dict]) -> list[dict]:
+    """The samples where any pool's ready/starting/draining count changed (the chosen ratio)."""
+    keys = [k for k in (samples[0] if samples else {}) if k != "t"]
+    out, last = [], None
+    for row in samples:
+        now = tuple(row[k] for k in keys)
+        if now != last:
+            out.append(row)
+            last = now
+    return out
+
+
+def _gpus() -> str:
+    import subprocess
+
+    try:
+        return "; ".join(subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+            text=True, check=True).stdout.split("\n")[:-1])
+    except (OSError, subprocess.CalledProcessError):
+        return "no GPU"
 
 
 def plot(run, phases, ttft_s, tpot_s, path: Path, log: Path) -> None:

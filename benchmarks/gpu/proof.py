@@ -1,16 +1,22 @@
-"""GPU proof (issue 9): per-GPU goodput of pdserve 1 prefill + 1 decode (NCCL) against pdserve
-colocated on both GPUs and against two plain vLLM engines behind round robin, on one 2-GPU host.
+"""GPU proof (issues 9 and 7): per-GPU goodput of pdserve xPyD (NCCL KV pulls) against pdserve
+colocated on the same GPUs and against plain vLLM engines behind round robin, on one host.
 
     benchmarks/gpu/proof.sh MODEL_DIR transfer disagg      # on the GPU host (bundle; see proof.sh)
     python benchmarks/gpu/proof.py run --model DIR --out DIR --arm colocated
+    python benchmarks/gpu/proof.py run --model DIR --out DIR --arm 2P2D --rates 16 24 32
     python benchmarks/gpu/proof.py summarize --results DIR  # anywhere: table, plots, summary.json
+
+Arms: `xPyD` (pdserve, x prefill + y decode engines), `colocated-N` (pdserve, N colocated
+engines), `vllm-N` (N plain vLLM servers behind `rr_proxy.py`); the two-GPU names of issue 9 stay:
+`disagg` = 1P1D, `colocated` = colocated-2, `vllm` = vllm-2. An arm uses the first GPUs of
+CUDA_VISIBLE_DEVICES (or `--gpus`).
 
 `run` serves one arm with the same engine settings as every other arm (ENGINE below), sends the
 same workload at each rate (random token-id prompts of ISL tokens, OSL output tokens with
 ignore_eos, Poisson arrivals; `pdserve bench serve` as the client), and writes ARM.json: per
 rate the bench summary, each request's TTFT and TPOT, and (pdserve arms) the KV pulls from
 /metrics. `summarize` turns the arms' JSON into the goodput table: per target TPOT X, the highest
-tested rate at which >= 90% of requests had TTFT <= 500 ms and TPOT <= X, divided by 2 GPUs.
+tested rate at which >= 90% of requests had TTFT <= 500 ms and TPOT <= X, divided by the arm's GPUs.
 """
 
 from __future__ import annotations
@@ -32,13 +38,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pdserve.testing.server import RunningServer, free_port, start_process, start_server  # noqa: E402
+from pdserve.testing.server import RunningServer, free_port, start_process  # noqa: E402
 
 ISL, OSL = 2048, 256
 TTFT_MS = 500.0
 TPOT_TARGETS_MS = (8.0, 10.0, 20.0)
 ATTAINMENT = 0.90
-NUM_GPUS = 2
 # One set of engine settings for every arm (recorded in each arm's JSON). 8192 batched tokens is
 # vLLM's own default for its OpenAI server on these GPUs; CUDA graphs and chunked prefill on.
 ENGINE = {
@@ -53,7 +58,7 @@ ENGINE = {
     "enable_prefix_caching": True,
     "seed": 0,
 }
-# Total request rates (req/s over both GPUs) per arm, bracketing each arm's knee from the H200
+# Total request rates (req/s over the arm's GPUs) of issue 9's arms, bracketing each arm's knee from the H200
 # calibration (one vLLM engine meets TPOT p90 8 ms near 4 req/s and saturates near 14; 1P1D is
 # prefill-bound near 22) and a first colocated sweep on 2 x H200 (knees at 9-12, 12-16, 16-20).
 RATES = {
@@ -67,6 +72,49 @@ LABELS = {
     "colocated": "pdserve colocated x2",
     "vllm": "2 x vLLM + round robin",
 }
+_LEGACY = {"disagg": "1P1D", "colocated": "colocated-2", "vllm": "vllm-2"}
+_SPEC = re.compile(r"^(?:(\d+)P(\d+)D|(colocated|vllm)-(\d+))$")
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """What an arm name means: its kind and engine counts."""
+
+    name: str
+    kind: str  # "disagg" | "colocated" | "vllm"
+    prefill: int = 0
+    decode: int = 0
+    engines: int = 0
+
+    @property
+    def num_gpus(self) -> int:
+        return self.prefill + self.decode if self.kind == "disagg" else self.engines
+
+    @property
+    def label(self) -> str:
+        if self.name in LABELS:
+            return LABELS[self.name]
+        if self.kind == "disagg":
+            return f"pdserve {self.prefill}P{self.decode}D (NCCL)"
+        if self.kind == "colocated":
+            return f"pdserve colocated x{self.engines}"
+        return f"{self.engines} x vLLM + round robin"
+
+
+def arm_spec(name: str) -> ArmSpec:
+    """Parses an arm name (`2P2D`, `colocated-4`, `vllm-4`, or issue 9's `disagg`/...)."""
+    match = _SPEC.match(_LEGACY.get(name, name))
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"arm {name!r}: expected xPyD, colocated-N, vllm-N, or one of {', '.join(_LEGACY)}")
+    prefill, decode, kind, engines = match.groups()
+    if kind is None:
+        spec = ArmSpec(name, "disagg", int(prefill), int(decode))
+    else:
+        spec = ArmSpec(name, kind, engines=int(engines))
+    if spec.num_gpus < 1 or (spec.kind == "disagg" and min(spec.prefill, spec.decode) < 1):
+        raise argparse.ArgumentTypeError(f"arm {name!r}: needs at least one engine of each kind")
+    return spec
 _PULL_LOG = re.compile(r"pulled (\d+) blocks \(([\d.]+) MiB\) in ([\d.]+) ms")
 
 
@@ -93,7 +141,9 @@ def pdserve_args(model: str, mock: bool) -> list[str]:
     if mock:
         return ["--model", model, "--engine", "mock", "--served-model-name", "m",
                 "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--set", "engine.mock.max_model_len=4096",
-                "--set", "engine.mock.prefill_tokens_per_s=40000", "--set", "engine.mock.decode_step_s=0.006"]
+                "--set", "engine.mock.prefill_tokens_per_s=40000", "--set", "engine.mock.decode_step_s=0.006",
+                *(arg for pool in ("prefill", "decode", "colocated")
+                  for arg in ("--set", f"pools.{pool}.num_cpus=0.1"))]
     return [
         "--model", model, "--served-model-name", "m", "--load-format", "dummy",
         "--max-model-len", str(ENGINE["max_model_len"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
@@ -116,21 +166,29 @@ def vllm_command(model: str, port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def start_arm(name: str, model: str, out: Path, mock: bool) -> Arm:
-    """Starts an arm and returns once it answers /health."""
-    if name in ("disagg", "colocated"):
+def start_arm(spec: ArmSpec, model: str, out: Path, mock: bool, gpus: list[str]) -> Arm:
+    """Starts an arm on `gpus` (CUDA device ids) and returns once it answers /health."""
+    name = spec.name
+    if len(gpus) < spec.num_gpus and not mock:
+        raise SystemExit(f"arm {name} needs {spec.num_gpus} GPUs, {len(gpus)} visible: {gpus}")
+    visible = ",".join(gpus[: spec.num_gpus])
+    if spec.kind in ("disagg", "colocated"):
         mode = (
-            ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--transport", "nccl"]
-            if name == "disagg"
-            else ["--mode", "colocated", "--replicas", str(NUM_GPUS)]
-        )
+            ["--mode", "disaggregated", "--prefill", str(spec.prefill), "--decode", str(spec.decode),
+             "--transport", "nccl"]
+            if spec.kind == "disagg"
+            else ["--mode", "colocated", "--replicas", str(spec.engines)]
+        )  # fmt: skip
         args = [*pdserve_args(model, mock), *mode]
-        server = start_server(args, out / f"{name}-server.log", 900)
-        command = shlex.join([sys.executable, "-m", "pdserve", "serve", "--port", str(server.port), *args])
-        return Arm(name, server.base_url, [server], [command], pdserve=True)
+        port = free_port()
+        command = [sys.executable, "-m", "pdserve", "serve", "--port", str(port), *args]
+        env = {} if mock else {"CUDA_VISIBLE_DEVICES": visible}
+        server = start_process(command, port, out / f"{name}-server.log", 900, env)
+        return Arm(name, server.base_url, [server], [f"CUDA_VISIBLE_DEVICES={visible} {shlex.join(command)}"],
+                   pdserve=True)
     processes, commands, backends = [], [], []
     try:
-        for gpu in range(NUM_GPUS):
+        for gpu in gpus[: spec.engines] if not mock else map(str, range(spec.engines)):
             port = free_port()
             if mock:
                 command = [sys.executable, "-m", "pdserve", "serve", "--port", str(port),
@@ -279,17 +337,23 @@ def run_arm(args: argparse.Namespace) -> int:
     raw.mkdir(exist_ok=True)
     deadline = time.monotonic() + args.budget_s
     started = time.monotonic()
-    arm = start_arm(args.arm, args.model, out, args.mock)
+    spec = args.arm_spec
+    gpus = args.gpus or [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+    gpus = gpus or [str(i) for i in range(_gpu_count())]
+    arm = start_arm(spec, args.model, out, args.mock, gpus)
     record = {
-        "arm": args.arm, "label": LABELS[args.arm], "engine": ENGINE, "isl": ISL, "osl": OSL,
-        "ttft_ms": TTFT_MS, "tpot_targets_ms": TPOT_TARGETS_MS, "num_gpus": NUM_GPUS,
+        "arm": args.arm, "label": spec.label, "engine": ENGINE, "isl": ISL, "osl": OSL,
+        "ttft_ms": TTFT_MS, "tpot_targets_ms": TPOT_TARGETS_MS, "num_gpus": spec.num_gpus,
+        "kind": spec.kind, "prefill": spec.prefill, "decode": spec.decode, "gpus": gpus[: spec.num_gpus],
         "start_s": time.monotonic() - started, "commands": arm.commands, "host": host_facts(),
         "arrival_s": args.arrival_s, "min_prompts": args.min_prompts, "rates": [], "skipped_rates": [],
     }  # fmt: skip
     print(f"{args.arm}: up in {record['start_s']:.0f} s at {arm.base_url}", flush=True)
     try:
         warm_up(arm, args.model, raw)
-        rates = args.rates or RATES[args.arm]
+        rates = args.rates or RATES.get(args.arm)
+        if not rates:
+            raise SystemExit(f"arm {args.arm}: give --rates (total req/s)")
         for i, rate in enumerate(rates):
             prompts = max(args.min_prompts, round(rate * args.arrival_s))
             if time.monotonic() + prompts / rate + 20 > deadline:
@@ -318,6 +382,15 @@ def run_arm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no torch/CUDA: a CPU (mock) run
+        return 0
+
+
 def pulls_from_log(log: Path) -> list[list[float]]:
     """[blocks, MiB, ms] of every pull the decode engine logged (pdserve arms)."""
     if not log.exists():
@@ -336,22 +409,21 @@ def goodput(record: dict, tpot_ms: float) -> float:
 
 def summarize(args: argparse.Namespace) -> int:
     results: Path = args.results
-    arms = {
-        name: json.loads((results / f"{name}.json").read_text())
-        for name in ARMS
-        if (results / f"{name}.json").exists()
-    }
+    arms = load_arms(results)
     table = {
         name: {f"{x:g}": goodput(record, x) / record["num_gpus"] for x in TPOT_TARGETS_MS}
         for name, record in arms.items()
     }
-    lines = ["| TPOT target | " + " | ".join(LABELS[a] for a in arms) + " | 1P1D / colocated | 1P1D / vLLM |"]
-    lines.append("|---" * (len(arms) + 3) + "|")
+    disagg = [a for a in arms if arm_spec(a).kind == "disagg"]
+    baselines = [b for kind in ("colocated", "vllm") for b in arms if arm_spec(b).kind == kind]
+    pairs = [(d, b) for d in disagg for b in baselines]
+    header = [arms[a]["label"] for a in arms] + [f"{_LEGACY.get(d, d)} / {_LEGACY.get(b, b)}" for d, b in pairs]
+    lines = ["| TPOT target | " + " | ".join(header) + " |"]
+    lines.append("|---" * (len(arms) + len(pairs) + 1) + "|")
     for x in TPOT_TARGETS_MS:
         key = f"{x:g}"
-        cells = [f"{table[a][key]:g}" for a in arms]
-        ratios = [_ratio(table, "disagg", other, key) for other in ("colocated", "vllm")]
-        lines.append(f"| <= {key} ms | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+        cells = [f"{table[a][key]:g}" for a in arms] + [_ratio(table, d, b, key) for d, b in pairs]
+        lines.append(f"| <= {key} ms | " + " | ".join(cells) + " |")
     text = "Per-GPU goodput (req/s per GPU; TTFT <= 500 ms and TPOT <= target for >= 90% of requests)\n"
     text += "\n".join(lines)
     print(text)
@@ -371,6 +443,23 @@ def summarize(args: argparse.Namespace) -> int:
     if not args.no_plots:
         plot(arms, results)
     return 0
+
+
+def load_arms(results: Path) -> dict[str, dict]:
+    """Every arm record (ARM.json written by `run`) in a results folder, in a stable order:
+    disaggregated arms by prefill share, then colocated, then vLLM."""
+    arms = {}
+    for path in sorted(results.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+            spec = arm_spec(record["arm"]) if isinstance(record, dict) and "rates" in record else None
+        except (ValueError, KeyError, argparse.ArgumentTypeError):
+            spec = None
+        if spec is not None and path.stem == record["arm"]:
+            arms[record["arm"]] = record
+    order = {"disagg": 0, "colocated": 1, "vllm": 2}
+    return dict(sorted(arms.items(), key=lambda item: (
+        order[arm_spec(item[0]).kind], -arm_spec(item[0]).prefill, arm_spec(item[0]).num_gpus)))
 
 
 def _ratio(table: dict, num: str, den: str, key: str) -> str:
@@ -415,7 +504,7 @@ def plot(arms: dict, results: Path) -> None:
     fig, axes = plt.subplots(1, len(TPOT_TARGETS_MS) + 2, figsize=(5 * (len(TPOT_TARGETS_MS) + 2), 4))
     for name, record in arms.items():
         per_gpu = [row["rate"] / record["num_gpus"] for row in record["rates"]]
-        label = LABELS[name]
+        label = record["label"]
         for ax, x in zip(axes, TPOT_TARGETS_MS, strict=False):
             ax.plot(per_gpu, [row["attainment"][f"{x:g}"] for row in record["rates"]], "o-", label=label)
             ax.set_title(f"TTFT <= {TTFT_MS:g} ms, TPOT <= {x:g} ms")
@@ -441,7 +530,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="serve one arm and sweep its rates (GPU host)")
-    run.add_argument("--arm", choices=ARMS, required=True)
+    run.add_argument("--arm", required=True, help="xPyD, colocated-N, vllm-N (or disagg/colocated/vllm)")
+    run.add_argument("--gpus", type=lambda v: v.split(","), help="CUDA device ids, e.g. 0,1 (default: all)")
     run.add_argument("--model", required=True, help="config.json + tokenizer directory (dummy weights)")
     run.add_argument("--out", type=Path, required=True)
     run.add_argument("--rates", type=float, nargs="+", help="total req/s (default: the arm's RATES)")
@@ -454,6 +544,10 @@ def main() -> int:
     summary.add_argument("--no-plots", action="store_true")
     args = parser.parse_args()
     if args.command == "run":
+        try:
+            args.arm_spec = arm_spec(args.arm)
+        except argparse.ArgumentTypeError as e:
+            parser.error(str(e))
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         return run_arm(args)
     return summarize(args)

@@ -90,9 +90,10 @@ async def run_phases(base_url: str, model: str, phases: list[Phase], prompt_toke
 async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int,
                outcome: Outcome) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0}
+            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
     sent = time.monotonic()
     first = last = None
+    usage_tokens = None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             outcome.status = response.status_code
@@ -106,13 +107,19 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tok
                 if "error" in event:
                     outcome.status, outcome.error = 500, event["error"]["message"][:200]
                     return
-                if event["choices"][0].get("text"):
+                if event.get("usage"):
+                    usage_tokens = event["usage"].get("completion_tokens")
+                # Any chunk with a choice carries tokens (their text can be empty: a partial
+                # UTF-8 character, or a dummy model's id the tokenizer has no text for).
+                if event.get("choices"):
                     last = time.monotonic()
                     first = first or last
                     outcome.output_tokens += 1
     except httpx.HTTPError as e:
         outcome.status, outcome.error = -1, repr(e)[:200]
         return
+    if usage_tokens is not None:  # chunks can carry several tokens
+        outcome.output_tokens = usage_tokens
     if first is not None:
         outcome.ttft_s = first - sent
         if outcome.output_tokens > 1:
