@@ -196,8 +196,9 @@ def compute_metrics(
     output_lens = [output_length(o, count_tokens) if o.success else 0 for o in outcomes]
     done = [(o, n) for o, n in zip(outcomes, output_lens, strict=True) if o.success]
     tpots = [t for o, n in done if (t := request_tpot_s(o, n)) is not None]
-    verdicts = [meets_slo(o, n, slo) for o, n in zip(outcomes, output_lens, strict=True)]
-    good = sum(1 for v, o in zip(verdicts, outcomes, strict=True) if o.success and all(v.values()))
+    verdicts = _verdicts(outcomes, output_lens, slo)
+    every = np.logical_and.reduce(list(verdicts.values())) if verdicts else None
+    good = int(every.sum()) if every is not None else len(done)
     total_input = sum(input_length(o) for o, _ in done)
     total_output = sum(output_lens)
     peak_tokens, peak_concurrency = _peaks([o for o, _ in done])
@@ -219,14 +220,36 @@ def compute_metrics(
         max_concurrent_requests=peak_concurrency,
         output_lens=tuple(output_lens),
         tpots_s=tuple(tpots),
-        attainment=_attainment(verdicts, slo) if slo else None,
+        attainment=_attainment(verdicts, every, len(outcomes)) if slo else None,
     )
 
 
-def _attainment(verdicts: Sequence[dict[str, bool]], slo: SLOTargets) -> Attainment:
-    total = max(1, len(verdicts))
-    per_slo = tuple((name, sum(v[name] for v in verdicts) / total) for name, _ in slo.items())
-    return Attainment(per_slo=per_slo, all=sum(all(v.values()) for v in verdicts) / total)
+def _verdicts(outcomes: Sequence[RequestOutcome], output_lens: Sequence[int],
+              slo: SLOTargets) -> dict[str, np.ndarray]:
+    """`meets_slo` for every request at once, as one boolean array per target (same rules:
+    failed requests meet nothing, a one-token request's TPOT counts as 0)."""
+    if not slo:
+        return {}
+    ok = np.fromiter((o.success for o in outcomes), bool, len(outcomes))
+    columns = {
+        "ttft": lambda o, n: o.ttft_s,
+        "tpot": lambda o, n: request_tpot_s(o, n) or 0.0,
+        "e2el": lambda o, n: o.e2el_s,
+    }
+    out = {}
+    for name, target_ms in slo.items():
+        get = columns[name]
+        observed = np.fromiter((get(o, n) if o.success else np.inf
+                                for o, n in zip(outcomes, output_lens, strict=True)),
+                               float, len(outcomes))
+        out[name] = ok & (target_ms / 1000.0 >= observed)
+    return out
+
+
+def _attainment(verdicts: dict[str, np.ndarray], every: np.ndarray, count: int) -> Attainment:
+    total = max(1, count)
+    per_slo = tuple((name, int(v.sum()) / total) for name, v in verdicts.items())
+    return Attainment(per_slo=per_slo, all=int(every.sum()) / total)
 
 
 def _peaks(done: Sequence[RequestOutcome]) -> tuple[float, int]:

@@ -27,8 +27,10 @@ from pdserve.bench.metrics import SLOTargets
 from pdserve.bench.report import save_json
 from pdserve.scheduler.routing import SloTargets
 from pdserve.sim import profile as profile_cmd
+from pdserve.sim.arrivals import CurveArrivals, WorkloadArrivals
 from pdserve.sim.cells import scale_totals, split
 from pdserve.sim.engine_profile import EngineProfile
+from pdserve.sim.fluid import FluidConfig, FluidSimulation
 from pdserve.sim.results import LatencyRecorder, bench_result, plot_pool_sizes, run_json
 from pdserve.sim.runner import SimConfig, Simulation, Topology
 from pdserve.sim.search import search_autoscaled, search_static
@@ -61,6 +63,15 @@ def _add_commands(parser: argparse.ArgumentParser) -> None:
     _slo_args(run)
     run.add_argument("--cells", type=int, default=1,
                      help="simulate 1/N of engines and traffic, multiply totals (large runs)")
+    run.add_argument("--sim-mode", choices=["des", "fluid"], default="des",
+                     help="des: request by request (exact engine model); fluid: time steps, "
+                     "cohorts and engine groups (a day over 1000 GPUs in minutes; fluid.py)")
+    run.add_argument("--fluid-step-ms", type=float, default=100.0,
+                     help="fluid step (1000 for day-long runs over hundreds of engines)")
+    run.add_argument("--fluid-groups", type=int, default=16,
+                     help="most engine groups per pool the router sees (4 for 1000 engines)")
+    run.add_argument("--fluid-cohort-per-engine", type=float, default=1.0,
+                     help="cohort size cap in requests per engine of the smallest group")
     run.add_argument("--record-itls", action="store_true",
                      help="keep per-token gaps (ITL metrics); memory grows with engine steps")
     run.add_argument("--save-result", type=Path, help="result JSON (harness keys + simulation)")
@@ -205,6 +216,8 @@ def _percentiles(args: argparse.Namespace) -> tuple[float, ...]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.sim_mode == "fluid":
+        return _run_fluid(args)
     profile = load_profile(args)
     slo, goodput = _slos(args)
     topology = build_topology(args)
@@ -236,11 +249,46 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_fluid(args: argparse.Namespace) -> int:
+    if args.cells != 1:
+        raise SystemExit("--sim-mode fluid simulates every engine: leave --cells at 1")
+    profile = load_profile(args)
+    slo, goodput = _slos(args)
+    config = SimConfig(profile, build_topology(args), slo, scaling=ScalingPolicy(
+        target_utilization=args.target_utilization),
+        autoscale_interval_s=args.autoscale_interval_s)
+    fluid = FluidConfig(step_s=args.fluid_step_ms / 1000, max_groups=args.fluid_groups,
+                        cohort_per_engine=args.fluid_cohort_per_engine)
+    if args.rate_curve and args.dataset_name != "mooncake":
+        if args.burstiness != 1.0:
+            raise SystemExit("--sim-mode fluid draws rate curves as Poisson: --burstiness 1")
+        curve = diurnal(args.peak_rate, args.trough_ratio, args.duration_h * 3600)
+        if args.bursts:
+            curve = bursty(curve, args.bursts, args.burst_factor, args.burst_min * 60,
+                           seed=args.seed)
+        arrivals = CurveArrivals(curve, args.dataset_name, args.seed,
+                                 input_len=args.random_input_len,
+                                 output_len=args.random_output_len,
+                                 range_ratio=args.random_range_ratio,
+                                 length_scale=args.length_scale, max_model_len=args.max_model_len)
+    else:
+        arrivals = WorkloadArrivals(build_workload(args))
+    run = FluidSimulation(config, fluid, goodput).run(arrivals)
+    body = run.summary(_percentiles(args))
+    _print_summary(body)
+    if args.save_result:
+        save_json(body, args.save_result)
+    if args.plot_dir:
+        plot_pool_sizes(run, args.plot_dir / "pool_sizes.png")
+    return 0
+
+
 def _print_summary(body: dict) -> None:
     sim = body["simulation"]
     keys = ["completed", "failed", "request_throughput", "request_goodput", "median_ttft_ms",
             "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms"]
-    print(f"{sim['topology']} ({sim.get('cells', 1)} cell(s)), profile {sim['profile']}")
+    mode = "fluid" if sim.get("mode") == "fluid" else f"{sim.get('cells', 1)} cell(s)"
+    print(f"{sim['topology']} ({mode}), profile {sim['profile']}")
     for k in keys:
         if body.get(k) is not None:
             print(f"  {k:<24} {body[k]:.4g}" if isinstance(body[k], float) else f"  {k:<24} {body[k]}")

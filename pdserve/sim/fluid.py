@@ -1,0 +1,464 @@
+"""The fluid simulation: production routing and autoscaling over engine groups in fixed time steps.
+
+The per-request simulator (runner.py) costs one routing call over every engine per request and a
+few events per request: ~8k requests per CPU-second, ~170/s behind 1000 engines. A day at 10k
+requests/s (864M requests) needs something else. Here time advances in steps of `step_s`;
+each step's arrivals are grouped into cohorts and each cohort is placed once; engines advance
+by batch; latencies go into histograms. Lifecycle of `FluidSimulation.run(arrivals)`:
+
+1. each pool's engines are split into at most `max_groups` `EngineGroup`s (fluid_group.py);
+   a group is what the router sees as one engine. Two `GlobalScheduler`s hold the books:
+   `router` has one engine per group, with per-engine values (queued prompt tokens, decode
+   batch, KV usage; fractional, since a group's load is spread over its engines), and routes
+   through the production `GlobalScheduler.route` -> `routing.place` / `place_colocated`;
+   `census` has one engine per real engine and feeds `Autoscaler.evaluate` -> `policy.decide`
+   the same signals the per-request simulator gives it (pool size, starting engines, KV usage,
+   decode batch, the SLO tracker's windowed TTFT/TPOT and arriving prompt tokens);
+2. per step: arrivals in [t, t + step_s) are bucketed by shape (prompt length to a factor of
+   2, output to a factor of 4) and each bucket is cut into cohorts of at most
+   `cohort_per_engine` x (smallest group's engines) requests, so a cohort never asks more of a
+   group than its engines can share out evenly; each cohort is routed once (its mean lengths)
+   and the router's books are updated by its totals before the next is routed. A `Rejection`
+   fails the whole cohort (as 429s);
+3. each group prefills its step's arrivals (exact arrival times and lengths), which gives every
+   request's first token; decode legs join their decode group (after the KV pull for remote
+   prefills) and the groups advance (see fluid_group.py);
+4. every `autoscale_interval_s`, the census is brought up to date and the autoscaler's decisions
+   applied like `Simulation.scale_to`: new engines start (ready after the profile's start-up),
+   a scale-down drains an engine of the largest group (a group of one drains like an engine
+   and is removed once idle; a larger group hands its load to its other engines);
+5. finished requests' TTFT / TPOT / E2EL and SLO verdicts go into an `OutcomeTally`
+   (histogram.py), summarised under the harness's keys.
+
+At small scale (engines <= max_groups, sparse arrivals) every group is one engine and every
+cohort one request: it routes request by request like the per-request simulator, and differs
+only in the engine model (a pooled FIFO prefill queue, batches updated once per step).
+`benchmarks/sim_speed.py --compare` measures the agreement.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdserve.autoscaler.controller import Autoscaler
+from pdserve.autoscaler.policy import ScalingDecision
+from pdserve.bench.metrics import SLOTargets
+from pdserve.scheduler.routing import Rejection
+from pdserve.scheduler.scheduler import COLOCATED, DECODE, PREFILL, GlobalScheduler
+from pdserve.sim.baselines import TtftOnlyAutoscaler
+from pdserve.sim.fluid_group import EngineGroup
+from pdserve.sim.histogram import OutcomeTally
+from pdserve.sim.runner import PoolSample, SimConfig
+
+
+@dataclass(frozen=True, slots=True)
+class FluidConfig:
+    step_s: float = 0.1  # one fluid step of virtual time
+    max_groups: int = 16  # per pool: engines are grouped beyond this
+    cohort_per_engine: float = 1.0  # cohort size cap, in requests per engine of the smallest group
+    resolve_every_s: float = 1.0  # how often finished requests are turned into latencies
+    # TTFT and TPOT samples per second per pool given to the autoscaler's SLO tracker (a
+    # windowed percentile needs a few thousand per window, not every request).
+    tracker_samples_per_s: float = 100.0
+
+    def __post_init__(self) -> None:
+        if self.step_s <= 0 or self.max_groups < 1 or self.cohort_per_engine <= 0:
+            raise ValueError("fluid step, groups and cohort size must be positive")
+
+
+@dataclass(slots=True)
+class FluidRun:
+    """What happened, in totals: the tally, the groups' lives, the scaling decisions."""
+
+    config: SimConfig
+    fluid: FluidConfig
+    tally: OutcomeTally
+    groups: list[EngineGroup]
+    decisions: list[tuple[float, ScalingDecision]]
+    samples: list[PoolSample]
+    first_s: float
+    end_s: float
+    wall_s: float
+    requests: int
+    steps: int
+    route_calls: int
+    gpu_hours_by_pool: dict[str, float]
+    engines_started: int
+    rejected: dict[str, int] = field(default_factory=dict)
+
+    def gpu_hours(self) -> float:
+        return sum(self.gpu_hours_by_pool.values())
+
+    def summary(self, percentiles: Sequence[float] = (50.0, 90.0, 99.0)) -> dict[str, Any]:
+        """Harness keys (as `results.run_json` with a `LatencyRecorder`) plus `simulation`."""
+        body = {"label": "sim-fluid", "num_prompts": self.requests,
+                **self.tally.summary(self.end_s - self.first_s, percentiles)}
+        cfg = self.config
+        body["simulation"] = {
+            "mode": "fluid",
+            "topology": cfg.topology.name,
+            "pools_initial": dict(cfg.topology.pools),
+            "bounds": ({p: [b.min_replicas, b.max_replicas] for p, b in cfg.topology.bounds.items()}
+                       if cfg.topology.bounds else None),
+            "profile": cfg.profile.name,
+            "slo_targets_s": ({"ttft": cfg.slo.ttft_s, "tpot": cfg.slo.tpot_s,
+                               "percentile": cfg.slo.percentile} if cfg.slo else None),
+            "fluid": {"step_s": self.fluid.step_s, "max_groups": self.fluid.max_groups,
+                      "cohort_per_engine": self.fluid.cohort_per_engine,
+                      "steps": self.steps, "route_calls": self.route_calls,
+                      "groups": len(self.groups),
+                      "overcommit_group_steps": sum(g.overcommit_steps for g in self.groups)},
+            "simulated_s": self.end_s,
+            "gpu_hours": self.gpu_hours(),
+            "gpu_hours_by_pool": dict(self.gpu_hours_by_pool),
+            "engines_started": self.engines_started,
+            "rejected": dict(self.rejected),
+            "scaling_decisions": [
+                {"t_s": t, "pool": d.pool, "from": d.current, "to": d.target, "reason": d.reason,
+                 "detail": d.detail} for t, d in self.decisions],
+            "pool_sizes": [
+                {"t_s": s.t, "pool": s.pool, "ready": s.ready, "starting": s.starting,
+                 "draining": s.draining, "kv_usage": round(s.kv_usage, 4),
+                 "busy": round(s.busy, 4)} for s in self.samples],
+            "wall_s": self.wall_s,
+            "simulated_requests_per_wall_s": self.requests / self.wall_s if self.wall_s else None,
+        }
+        return body
+
+
+def _buckets(prompts: np.ndarray, outputs: np.ndarray) -> np.ndarray:
+    """Cohort shape key: prompt to a factor of 2 (it decides local vs remote prefill and the
+    TTFT admission), output to a factor of 16 (it only enters the KV-room check)."""
+    return (np.log2(prompts).astype(np.int64) << 8) | (np.log2(outputs).astype(np.int64) >> 2)
+
+
+class FluidSimulation:
+    def __init__(self, config: SimConfig, fluid: FluidConfig = FluidConfig(),
+                 goodput: SLOTargets | None = None) -> None:
+        self.config = config
+        self.fluid = fluid
+        perf = config.profile.perf
+        pools = list(config.topology.pools)
+        self.router = GlobalScheduler(pools, perf, config.slo, config.routing,
+                                      window_s=config.window_s, prefix_aware=False)
+        self.census = GlobalScheduler(pools, perf, config.slo, config.routing,
+                                      window_s=config.window_s, prefix_aware=False)
+        self.autoscaler: Autoscaler | TtftOnlyAutoscaler | None = None
+        if config.topology.bounds:
+            if config.slo is None:
+                raise ValueError("an autoscaled topology needs SLO targets")
+            if config.autoscaler == "ttft_only":
+                self.autoscaler = TtftOnlyAutoscaler(config.topology.bounds, config.slo.ttft_s)
+            else:
+                self.autoscaler = Autoscaler(config.topology.bounds, config.slo.ttft_s,
+                                             config.slo.tpot_s, config.scaling)
+        self.tally = OutcomeTally(goodput)
+        self.groups: dict[str, dict[str, EngineGroup]] = {p: {} for p in pools}
+        self._all_groups: list[EngineGroup] = []
+        self._group_index = {p: 0 for p in pools}
+        self._engine_index = {p: 0 for p in pools}
+        self._draining_engines: dict[str, int] = {p: 0 for p in pools}  # census: whole-group drains
+        self.decisions: list[tuple[float, ScalingDecision]] = []
+        self.samples: list[PoolSample] = []
+        self.rejected: dict[str, int] = {}
+        self.route_calls = 0
+        self._gpu_s = {p: 0.0 for p in pools}
+        self._response_s = config.profile.response_s
+        self._disaggregated = config.topology.disaggregated_mode
+        self._end_s = 0.0
+        self._rng = np.random.default_rng(0)  # tracker subsampling only
+        self._sample_p = 1.0
+
+    # --- engines (the actuator) -------------------------------------------------------------
+
+    def _new_group(self, pool: str, now: float) -> EngineGroup:
+        gid = f"{pool}-g{self._group_index[pool]}"
+        self._group_index[pool] += 1
+        group = EngineGroup(gid, pool, self.config.profile, now)
+        group.free_at = now
+        self.groups[pool][gid] = group
+        self._all_groups.append(group)
+        p = self.config.profile
+        self.router.add_engine(pool, gid, p.block_size, p.num_kv_blocks, ready=False)
+        return group
+
+    def _add_engine(self, pool: str, now: float, ready: bool) -> None:
+        live = [g for g in self.groups[pool].values() if not g.draining]
+        if len(live) < self.fluid.max_groups:
+            group = self._new_group(pool, now)
+        else:
+            group = min(live, key=lambda g: (g.engines, g.group_id))
+        rid = f"{pool}-{self._engine_index[pool]}"
+        self._engine_index[pool] += 1
+        p = self.config.profile
+        self.census.add_engine(pool, rid, p.block_size, p.num_kv_blocks, ready=ready)
+        if ready:
+            group.ready.append(rid)
+            self.router.mark_ready(pool, group.group_id)
+        else:
+            group.starting.append((now + p.startup_s, rid))
+
+    def scale_to(self, pool: str, target: int, now: float) -> None:
+        """Add or drain engines so the pool heads for `target` serving engines."""
+        live = [g for g in self.groups[pool].values() if not g.draining]
+        serving = sum(g.engines for g in live)
+        for _ in range(target - serving):
+            self._add_engine(pool, now, ready=False)
+        for _ in range(serving - target):
+            # Only started engines drain; a group keeps one while others are still starting.
+            started = [g for g in live if not g.draining
+                       and (len(g.ready) > 1 or (len(g.ready) == 1 and not g.starting))]
+            if not started:
+                break
+            # The least busy first, as Simulation.scale_to: a lone idle engine, else the group
+            # whose engines have the smallest batch (its load spreads over the rest).
+            group = min(started, key=lambda g: (len(g.ready) > 1 or not g.idle(now),
+                                                g.batch, -len(g.ready), g.group_id))
+            if len(group.ready) == 1 and not group.starting:
+                group.draining = True
+                self.router.engine(pool, group.group_id).draining = True
+                self.census.engine(pool, group.ready[0]).draining = True
+                self._draining_engines[pool] += 1
+            else:
+                self.census.remove_engine(pool, group.ready.pop())
+
+    def _retire_idle(self, now: float) -> None:
+        for pool, groups in self.groups.items():
+            for gid in [g for g, grp in groups.items() if grp.draining and grp.idle(now)]:
+                group = groups.pop(gid)
+                group.removed = now
+                self.router.remove_engine(pool, gid)
+                for rid in group.ready:
+                    self.census.remove_engine(pool, rid)
+                self._draining_engines[pool] -= len(group.ready)
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def _step(self, t0: float, t1: float, arrivals) -> None:
+        for pool, groups in self.groups.items():
+            for group in groups.values():
+                for rid in group.begin_step(t0, t1):
+                    self.census.mark_ready(pool, rid)
+                    self.router.mark_ready(pool, group.group_id)
+        times, prompts, outputs = arrivals
+        if len(times):
+            self._route(times, prompts, outputs, t0, t1)
+        for groups in self.groups.values():
+            for group in groups.values():
+                group.advance(t0, t1)
+        dt = t1 - t0
+        for pool, groups in self.groups.items():
+            engines = sum(g.engines for g in groups.values())
+            self._gpu_s[pool] += engines * dt * self.config.profile.gpus
+            for group in groups.values():
+                ready = max(len(group.ready), 1)
+                state = self.router.engine(pool, group.group_id)
+                state.queued_prefill_tokens = group.queued_tokens(t1) / ready
+                state.num_decoding = (group.decoding + group.joining.count()) / ready
+                state.kv_usage = group.kv_used / (ready * self.config.profile.num_kv_blocks)
+
+    def _route(self, times, prompts, outputs, t0: float, t1: float) -> None:
+        """Place the step's arrivals cohort by cohort, then prefill them in their groups."""
+        keys = _buckets(prompts, outputs)
+        order = np.argsort(keys, kind="stable")
+        keys = keys[order]
+        cuts = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+        cap = self._cohort_cap()
+        starts = [0]
+        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(keys)]):
+            starts.extend(range(a + cap, b, cap))
+            starts.append(b)
+        starts = np.unique(np.asarray(starts[:-1] + [len(keys)]))[:-1]
+        # Cohort totals in one pass: tokens in and out per cohort.
+        tokens = np.add.reduceat(prompts[order], starts).tolist()
+        outs = np.add.reduceat(outputs[order], starts).tolist()
+        ends = [*starts[1:].tolist(), len(keys)]
+        placed: dict[int, tuple[EngineGroup, list]] = {}  # prefilling group -> cohorts
+        prof = self.config.profile
+        for lo, hi, tok, out in zip(starts.tolist(), ends, tokens, outs):
+            self._place(order[lo:hi], tok, out, t0, placed, prof)
+        # The autoscaler's tracker gets about `tracker_samples_per_s` of the latencies.
+        self._sample_p = min(1.0, self.fluid.tracker_samples_per_s * (t1 - t0) / len(times))
+        for group, cohorts in placed.values():
+            decodes = list({id(c[1]): c[1] for c in cohorts}.values())
+            slot = {id(d): i for i, d in enumerate(decodes)}
+            idx = np.concatenate([c[0] for c in cohorts])
+            if len(decodes) > 1:
+                decode_of = np.concatenate([np.full(len(c[0]), slot[id(c[1])])
+                                            for c in cohorts])
+                by_time = np.argsort(idx, kind="stable")  # arrivals are in time order
+                idx, decode_of = idx[by_time], decode_of[by_time]
+            else:
+                idx = np.sort(idx)
+                decode_of = None
+            ft = group.admit_prefill(times[idx], prompts[idx].astype(float), t0, t1)
+            self._after_prefill(group, decodes, decode_of, idx, ft, times, prompts, outputs)
+
+    def _cohort_cap(self) -> int:
+        sizes = [len(g.ready) for gs in self.groups.values() for g in gs.values()
+                 if g.ready and not g.draining]
+        return max(1, int(self.fluid.cohort_per_engine * min(sizes, default=1)))
+
+    def _place(self, idx, tokens: int, outputs: int, now: float, placed: dict, prof) -> None:
+        count = len(idx)
+        placement = self.router.route(range(max(1, tokens // count)), max(1, outputs // count))
+        self.route_calls += 1
+        if isinstance(placement, Rejection):
+            self.rejected[placement.reason] = self.rejected.get(placement.reason, 0) + count
+            self.tally.add_failed(count)
+            return
+        if placement.prefill is None:
+            pool = COLOCATED if not self._disaggregated else DECODE
+            group = self.groups[pool][placement.decode]
+            decode = group
+        else:
+            group = self.groups[PREFILL][placement.prefill]
+            decode = self.groups[DECODE][placement.decode]
+        ready = len(group.ready)
+        state = self.router.engine(group.pool, group.group_id)
+        state.queued_prefill_tokens += tokens / ready
+        self.census.tracker.record_arrival(group.pool, now, tokens)
+        d_state = self.router.engine(decode.pool, decode.group_id)
+        d_state.num_decoding += count / len(decode.ready)
+        d_state.kv_usage += (prof.blocks(tokens + outputs) /
+                             (len(decode.ready) * prof.num_kv_blocks))
+        entry = placed.setdefault(id(group), (group, []))
+        entry[1].append((idx, decode))
+
+    def _after_prefill(self, group: EngineGroup, decodes: list[EngineGroup],
+                       decode_of: np.ndarray, idx: np.ndarray, ft: np.ndarray,
+                       times, prompts, outputs) -> None:
+        """First tokens are known: count one-token requests done, send the rest to decode."""
+        prof = self.config.profile
+        arrival, prompt, out = times[idx], prompts[idx], outputs[idx]
+        ttft = ft + self._response_s - arrival
+        self._track(group.pool, arrival[0], ttft, self.census.tracker.record_ttft)
+        full = -(-(prompt + out) // prof.block_size)
+        remote = group.pool == PREFILL
+        if remote:  # the prompt's blocks stay on the prefill engine until pulled
+            perf = prof.perf  # PerfModel.transfer_s, vectorised (prompts are >= 1 token)
+            pull = perf.transfer_overhead_s + prompt * (perf.kv_bytes_per_token
+                                                        / perf.transfer_bytes_per_s)
+            pblocks = -(-prompt // prof.block_size)
+            group.kv_used += float(pblocks.sum())
+            group.releases.push(np.where(out > 1, ft + pull, ft), pblocks.astype(float))
+        else:
+            group.kv_used += float(full[out > 1].sum())
+        one = out == 1
+        if one.any():
+            e2el = ttft[one]
+            self.tally.add_done(ttft[one], np.full(int(one.sum()), np.nan), e2el,
+                                prompt[one], out[one])
+            self._end_s = max(self._end_s, float(ft[one].max()))
+        many = ~one
+        for i, decode in enumerate(decodes):
+            sel = many & (decode_of == i) if decode_of is not None else many
+            if not sel.any():
+                continue
+            join_at = ft[sel] + (pull[sel] if remote else 0.0)
+            alloc = full[sel].astype(float) if remote else np.zeros(int(sel.sum()))
+            decode.join(join_at, ft[sel], arrival[sel], out[sel], prompt[sel],
+                        full[sel].astype(float), alloc)
+
+    def _track(self, pool: str, now: float, values: np.ndarray, record) -> None:
+        """Give the SLO tracker a sample of `values` (its percentiles need a few per second)."""
+        if self._sample_p < 1.0:
+            values = values[self._rng.random(len(values)) < self._sample_p]
+        for v in values.tolist():
+            record(pool, now, v)
+
+    def _resolve(self, everything: bool = False) -> None:
+        for pool, groups in self.groups.items():
+            for group in groups.values():
+                done = group.resolve(everything)
+                if done is None:
+                    continue
+                t_finish, ft, arrival, out, prompt = done
+                ttft = ft + self._response_s - arrival
+                tpot = (t_finish - ft) / (out - 1)
+                e2el = t_finish + self._response_s - arrival
+                self.tally.add_done(ttft, tpot, e2el, prompt, out)
+                self._end_s = max(self._end_s, float(t_finish.max()))
+                self._track(group.pool, float(t_finish.max()), tpot,
+                            self.census.tracker.record_tpot)
+
+    # --- control loops ----------------------------------------------------------------------
+
+    def _sync_census(self) -> None:
+        for pool, groups in self.groups.items():
+            for group in groups.values():
+                kv = group.kv_used / (max(len(group.ready), 1) * self.config.profile.num_kv_blocks)
+                batch = group.batch
+                for rid in group.ready:
+                    state = self.census.engine(pool, rid)
+                    state.kv_usage = kv
+                    state.num_decoding = batch
+
+    def _autoscale(self, now: float) -> None:
+        self._sync_census()
+        for decision in self.autoscaler.evaluate(self.census, now):
+            if decision.delta:
+                self.decisions.append((now, decision))
+                self.scale_to(decision.pool, decision.target, now)
+
+    def _sample(self, now: float) -> None:
+        for pool, groups in self.groups.items():
+            live = [g for g in groups.values()]
+            ready = sum(len(g.ready) for g in live if not g.draining)
+            engines = max(sum(g.engines for g in live), 1)
+            self.samples.append(PoolSample(
+                now, pool, ready, sum(len(g.starting) for g in live),
+                sum(len(g.ready) for g in live if g.draining),
+                sum(g.kv_used for g in live) / (engines * self.config.profile.num_kv_blocks),
+                sum(min(g.batch, 1.0) * len(g.ready) for g in live) / engines))
+
+    # --- run --------------------------------------------------------------------------------
+
+    def run(self, arrivals) -> FluidRun:
+        """Simulate until the arrivals are over and every request has finished."""
+        started = time.perf_counter()
+        cfg, fl = self.config, self.fluid
+        t = math.floor(arrivals.first_s / fl.step_s) * fl.step_s
+        for pool, count in cfg.topology.pools.items():
+            for _ in range(count):
+                self._add_engine(pool, t, ready=True)
+        next_scale = t + cfg.autoscale_interval_s
+        next_sample = t
+        next_resolve = t + fl.resolve_every_s
+        steps = requests = 0
+        while True:
+            t1 = t + fl.step_s
+            batch = arrivals.take(t, t1)
+            requests += len(batch[0])
+            self._step(t, t1, batch)
+            steps += 1
+            busy = not arrivals.done or any(not g.idle(t1) for gs in self.groups.values()
+                                            for g in gs.values())
+            if t1 >= next_resolve or not busy:
+                self._resolve()
+                next_resolve = t1 + fl.resolve_every_s
+            if t1 >= next_sample:
+                self._sample(t1)
+                next_sample += cfg.sample_interval_s
+            if self.autoscaler is not None and t1 >= next_scale and busy:
+                self._autoscale(t1)
+                next_scale += cfg.autoscale_interval_s
+            self._retire_idle(t1)
+            t = t1
+            if not busy:
+                break
+        self._resolve(everything=True)
+        return FluidRun(cfg, fl, self.tally, self._all_groups, self.decisions, self.samples,
+                        arrivals.first_s, max(self._end_s, arrivals.first_s),
+                        time.perf_counter() - started, requests, steps, self.route_calls,
+                        {p: s / 3600.0 for p, s in self._gpu_s.items()},
+                        self._engine_index_total(), dict(self.rejected))
+
+    def _engine_index_total(self) -> int:
+        return sum(self._engine_index.values())
