@@ -36,18 +36,19 @@ for part in "$@"; do
       python3 benchmarks/transfer_bench.py --device cuda --sizes-mib 64,256,1024 --repeats 10 \
         --transports nccl --gil-load --out "$out/transfer-gil.json" ;;
     disagg|colocated|vllm|arm:*)
-      trap stop_ray EXIT
+      [[ $part == *vllm* ]] || trap stop_ray EXIT
       name=$part rates=()
       if [[ $part == arm:* ]]; then IFS=: read -r _ name r <<<"$part"; IFS=, read -r -a rates <<<"$r"; fi
       python3 benchmarks/gpu/proof.py run --arm "$name" --model "$model" --out "$out" \
         --budget-s "${PROOF_BUDGET_S:-300}" --arrival-s "${PROOF_ARRIVAL_S:-12}" \
-        --min-prompts "${PROOF_MIN_PROMPTS:-80}" ${rates[@]:+--rates "${rates[@]}"} || echo "$name failed: $?"
-      stop_ray
-      tar -cJf "$out/$name-raw.tar.xz" -C "$out" "$name-raw" $(cd "$out" && ls ./*-server.log proxy.log 2>/dev/null)
-      rm -rf "$out/$name-raw" "$out"/*-server.log "$out/proxy.log" ;;
+        --min-prompts "${PROOF_MIN_PROMPTS:-80}" ${rates[@]:+--rates "${rates[@]}"} ${PROOF_MOCK:+--mock} || echo "$name failed: $?"
+      [[ $name == vllm* ]] || stop_ray  # plain vLLM runs no Ray (another part's Ray may be up)
+      logs=$(cd "$out" && ls "$name-server.log" 2>/dev/null; [[ $name != vllm* ]] || ls vllm[0-9]*-server.log proxy.log 2>/dev/null)
+      tar -cJf "$out/$name-raw.tar.xz" -C "$out" "$name-raw" $logs
+      (cd "$out" && rm -rf "$name-raw" $logs) ;;
     profile)
-      # One engine on the last GPU (so it can run beside `transfer` on the first two).
-      gpu=$(( $(nvidia-smi -L | wc -l) - 1 )) port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')
+      # One engine on PROFILE_GPU (default: the last, so it can run beside `transfer` on the first two).
+      gpu=${PROFILE_GPU:-$(( $(nvidia-smi -L | wc -l) - 1 ))} port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')
       t0=$(date +%s)
       CUDA_VISIBLE_DEVICES=$gpu python3 -m pdserve serve --port "$port" --model "$model" --served-model-name m \
         --load-format dummy --max-model-len 4096 --max-num-seqs 256 --set engine.max_num_batched_tokens=8192 \
