@@ -1,0 +1,63 @@
+"""benchmarks/gpu/proof.py: arm names, and the goodput table over a folder of arm records."""
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+_PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu" / "proof.py"
+_spec = importlib.util.spec_from_file_location("gpu_proof", _PATH)
+proof = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_proof"] = proof  # dataclasses look their module up while the class is built
+_spec.loader.exec_module(proof)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "prefill", "decode", "gpus"),
+    [("2P2D", "disagg", 2, 2, 4), ("1P3D", "disagg", 1, 3, 4), ("colocated-4", "colocated", 0, 0, 4),
+     ("vllm-4", "vllm", 0, 0, 4), ("disagg", "disagg", 1, 1, 2), ("colocated", "colocated", 0, 0, 2)],
+)
+def test_arm_names_parse_to_engine_counts(name, kind, prefill, decode, gpus):
+    spec = proof.arm_spec(name)
+    assert (spec.kind, spec.prefill, spec.decode, spec.num_gpus) == (kind, prefill, decode, gpus)
+
+
+@pytest.mark.parametrize("name", ["0P2D", "2P0D", "colocated-0", "2P2", "tp2", ""])
+def test_bad_arm_names_are_refused_with_the_forms_allowed(name):
+    with pytest.raises(argparse.ArgumentTypeError, match="xPyD, colocated-N, vllm-N"
+                       if name not in ("0P2D", "2P0D", "colocated-0") else "at least one"):
+        proof.arm_spec(name)
+
+
+def _record(arm: str, gpus: int, rows: list[tuple[float, float, float, float]]) -> dict:
+    """rows: (rate, attainment at 8, 10, 20 ms)."""
+    bench = {"request_throughput": 1.0, "median_ttft_ms": 100, "p90_ttft_ms": 200,
+             "median_tpot_ms": 9, "p90_tpot_ms": 10, "failed": 0}
+    return {"arm": arm, "label": proof.arm_spec(arm).label, "num_gpus": gpus, "start_s": 90.0,
+            "commands": [], "host": {}, "skipped_rates": [], "rates": [
+                {"rate": r, "attainment": {"8": a8, "10": a10, "20": a20}, "bench": bench}
+                for r, a8, a10, a20 in rows]}
+
+
+def test_goodput_is_per_gpu_and_each_disaggregated_arm_is_compared_with_each_baseline(tmp_path, capsys):
+    records = [
+        _record("2P2D", 4, [(20, 0.0, 0.95, 1.0), (28, 0.0, 0.5, 0.92), (36, 0.0, 0.1, 0.6)]),
+        _record("colocated-4", 4, [(16, 0.0, 0.97, 1.0), (24, 0.0, 0.2, 0.95), (32, 0.0, 0.0, 0.4)]),
+        _record("vllm-4", 4, [(16, 0.0, 0.5, 1.0), (24, 0.0, 0.0, 0.7)]),
+    ]
+    for record in records:
+        (tmp_path / f"{record['arm']}.json").write_text(json.dumps(record))
+    (tmp_path / "transfer.json").write_text(json.dumps({"rows": []}))  # not an arm: ignored
+    assert proof.summarize(argparse.Namespace(results=tmp_path, no_plots=True)) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert list(summary["goodput_per_gpu"]) == ["2P2D", "colocated-4", "vllm-4"]
+    assert summary["goodput_per_gpu"]["2P2D"] == {"8": 0, "10": 5.0, "20": 7.0}
+    assert summary["goodput_per_gpu"]["colocated-4"]["20"] == 6.0
+    table = summary["table_markdown"]
+    assert "2P2D / colocated-4" in table and "2P2D / vllm-4" in table
+    assert "| <= 10 ms | 5 | 4 | 0 | 1.25x | inf |" in table
