@@ -15,6 +15,8 @@ Each figure is the median of `--repeats` timed pulls after one warm-up pull (han
 setup), timed from start_pull to DONE. On CUDA the NCCL rows also give where a pull's time went
 (the sink's PullTrace: thread start, header sent, all ops queued, GPU done, reply read) and the
 GPU-side bandwidth (CUDA events from the first receive queued to the last scatter done).
+`--sweep` runs benchmarks/transfer_sweep.py instead (staging batch size x ring depth x NCCL
+channels, each row against a peer copy of the same run).
 `--gil-load` runs a pure-Python busy thread in both processes during the pulls, as a vLLM
 engine's loop does, to show what thread hand-offs cost there. Not a test: nothing asserts on speed.
 """
@@ -44,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 from pdserve.kv.transport.base import BlockRegion, KVLayoutSpec, TransferState
 from pdserve.kv.transport.fake import FakeFabric, FakeSink, FakeSource
 from pdserve.kv.transport.grpc import GrpcSink
-from pdserve.kv.transport.nccl import DEFAULT_STAGING_BYTES, NcclSink, NcclSource
+from pdserve.kv.transport.nccl import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, NcclSink, NcclSource
 
 TOKEN = "bench-token"
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
@@ -130,19 +132,37 @@ def run_source(conn, shape: Shape, num_blocks: int, staging_bytes: int, gil_load
 
 
 def _serve_source(conn, shape: Shape, num_blocks: int, staging_bytes: int) -> None:
-    source = NcclSource(
-        shape.layout(),
-        shape.regions(num_blocks, shape.source_device),
-        engine_id="bench-prefill",
-        cluster_token=TOKEN,
-        staging_bytes=staging_bytes,
-    )
+    """Serves one NcclSource at a time over the same KV; ("source", bytes, buffers, channels)
+    replaces it with one of other pair settings (the sweep) and answers its address."""
+    regions = shape.regions(num_blocks, shape.source_device)
+
+    def make_source(staging: int, buffers: int = DEFAULT_STAGING_BUFFERS, channels: int = 0) -> NcclSource:
+        return NcclSource(
+            shape.layout(),
+            regions,
+            engine_id="bench-prefill",
+            cluster_token=TOKEN,
+            staging_bytes=staging,
+            staging_buffers=buffers,
+            nccl_min_channels=channels,
+        )
+
+    source = make_source(staging_bytes)
     conn.send(source.address)
     while (command := conn.recv())[0] != "stop":
-        if command[0] == "pin":
-            source.pin(command[1], command[2])
-        elif command[0] == "socket":
-            _socket_send(command[1], command[2], command[3])
+        try:
+            if command[0] == "pin":
+                source.pin(command[1], command[2])
+            elif command[0] == "socket":
+                _socket_send(command[1], command[2], command[3])
+            elif command[0] == "source":
+                source.close()
+                source = make_source(*command[1:])
+                conn.send((source.address, "triton" if source._runs is not None else "torch"))
+                continue
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which records it
+            conn.send(f"error: {exc!r}")
+            continue
         conn.send("ok")
     source.close()
 
@@ -173,21 +193,34 @@ class Bench:
         self.dst_regions = shape.regions(num_blocks, shape.sink_device)
         self.pulls = 0
 
-    def command(self, *command: object) -> None:
+    def command(self, *command: object) -> object:
+        """Sends a command to the source process; its answer, or RuntimeError if it failed or
+        did not answer within 5 minutes (a dead or stuck child must not hang the sweep)."""
         self.pipe.send(command)
-        assert self.pipe.recv() == "ok"
+        if not self.pipe.poll(300):
+            raise RuntimeError(f"source process did not answer {command[0]!r}")
+        answer = self.pipe.recv()
+        if isinstance(answer, str) and answer.startswith("error"):
+            raise RuntimeError(f"source process: {answer}")
+        return answer
 
-    def time_pulls(self, sink, blocks_per_pull: int, address: str, pin) -> list[float]:
-        """Seconds of each timed pull (after one warm-up)."""
+    def time_pulls(self, sink, blocks_per_pull: int, address: str, pin, wait_s: float = 300) -> list[float]:
+        """Seconds of each timed pull (after one warm-up). The destination KV is zeroed before
+        the last pull, so `verify_last_pull` cannot pass on an earlier pull's bytes."""
         seconds = []
         for attempt in range(self.args.repeats + 1):
             self.pulls += 1
             request_id = f"bench-{self.pulls}"
             src = self.rng.sample(range(self.num_blocks), blocks_per_pull)
             dst = self.rng.sample(range(self.num_blocks), blocks_per_pull)
+            if attempt == self.args.repeats:
+                for region in self.dst_regions:
+                    region.tensor.zero_()
+                if self.shape.sink_device.startswith("cuda"):
+                    torch.cuda.synchronize(self.shape.sink_device)
             pin(request_id, src)
             transfer = sink.start_pull(address, request_id, src, dst)
-            if transfer.wait(300) is not TransferState.DONE:
+            if transfer.wait(wait_s) is not TransferState.DONE:
                 raise RuntimeError(f"pull failed: {transfer}")
             if attempt:
                 seconds.append(transfer.elapsed_s)
@@ -350,6 +383,11 @@ def print_rows(rows: list[Result], shape: Shape) -> None:
 
 
 def main() -> int:
+    if "--sweep" in sys.argv:  # the NCCL pair-settings sweep: benchmarks/transfer_sweep.py
+        import transfer_sweep
+
+        sys.argv.remove("--sweep")
+        return transfer_sweep.main()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", default="16,64,256", help="comma-separated pull sizes in MiB")
     parser.add_argument("--repeats", type=int, default=5, help="timed pulls per transport and size")

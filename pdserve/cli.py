@@ -27,6 +27,9 @@ _SERVE_FLAGS: dict[str, str] = {
     "mode": "mode",
     "prefill": "pools.prefill.replicas",
     "decode": "pools.decode.replicas",
+    "tensor_parallel_size": "engine.tensor_parallel_size",
+    "prefill_tp": "pools.prefill.tensor_parallel_size",
+    "decode_tp": "pools.decode.tensor_parallel_size",
     "transport": "kv.transport",
     "max_num_seqs": "engine.max_num_seqs",
     "kv_cache_memory_bytes": "engine.kv_cache_memory_bytes",
@@ -99,6 +102,9 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--replicas", type=int, help="engines in the colocated pool")
     p.add_argument("--prefill", type=int, help="engines in the prefill pool (disaggregated)")
     p.add_argument("--decode", type=int, help="engines in the decode pool (disaggregated)")
+    p.add_argument("--tensor-parallel-size", type=int, help="GPUs per engine (every pool)")
+    p.add_argument("--prefill-tp", type=int, help="GPUs per prefill engine (default: --tensor-parallel-size)")
+    p.add_argument("--decode-tp", type=int, help="GPUs per decode engine (default: --tensor-parallel-size)")
     p.add_argument("--transport", choices=["grpc", "nccl"],
                    help="KV transfer transport (nccl runs over gloo on CPU-only hosts)")
     p.add_argument("--max-num-seqs", type=int, help="most concurrent requests per engine")

@@ -121,9 +121,14 @@ class PoolConfig(_Section):
     num_cpus: float = Field(
         1.0, ge=0, description="Ray CPUs reserved per engine actor (scheduling only)."
     )
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="GPUs per engine of this pool (tensor parallel); default: "
+        "engine.tensor_parallel_size. Prefill and decode may differ when the model's KV heads "
+        "split evenly over both (decode ranks then pull head slices from the prefill ranks).",
+    )
     num_gpus: float | None = Field(
-        None, ge=0, description="Ray GPUs per engine actor; default: tensor_parallel_size on GPU "
-        "hosts, 0 on CPU.",
+        None, ge=0, description="Ray GPUs per engine actor; default: the pool's "
+        "tensor_parallel_size on GPU hosts, 0 on CPU.",
     )
     resources: dict[str, float] = Field(
         default_factory=dict,
@@ -292,6 +297,19 @@ class PdserveConfig(_Section):
             return (PoolRole.COLOCATED,)
         return (PoolRole.PREFILL, PoolRole.DECODE)
 
+    def tensor_parallel_size_of(self, role: PoolRole) -> int:
+        """GPUs per engine of a pool: its own setting, else engine.tensor_parallel_size."""
+        own = self.pools.for_role(role).tensor_parallel_size
+        return own if own is not None else self.engine.tensor_parallel_size
+
+    def for_pool(self, role: PoolRole) -> PdserveConfig:
+        """This config as one engine of `role` sees it: the pool's overrides applied to
+        `engine` (today: tensor_parallel_size). Engines read only `engine`."""
+        tp = self.tensor_parallel_size_of(role)
+        if tp == self.engine.tensor_parallel_size:
+            return self
+        return self.model_copy(update={"engine": self.engine.model_copy(update={"tensor_parallel_size": tp})})
+
     @model_validator(mode="after")
     def _check_pools(self) -> PdserveConfig:
         for role in self.active_roles():
@@ -325,6 +343,12 @@ class PdserveConfig(_Section):
     def _check_engine(self) -> PdserveConfig:
         if self.engine.device == "cpu" and self.engine.tensor_parallel_size > 1:
             raise ValueError("engine.tensor_parallel_size > 1 needs engine.device 'cuda' or 'auto'")
+        for role in self.active_roles():
+            if self.engine.device == "cpu" and self.tensor_parallel_size_of(role) > 1:
+                raise ValueError(
+                    f"pools.{role.value}.tensor_parallel_size > 1 needs engine.device 'cuda' or "
+                    "'auto' (vLLM's CPU backend runs TP 1 only)"
+                )
         if self.engine.kind == "mock" and self.model.load_format != "auto":
             raise ValueError("model.load_format applies to the vllm engine only")
         return self

@@ -70,7 +70,7 @@ def actor_options(config: PdserveConfig, role: PoolRole, replica_id: str) -> dic
         on_gpu = config.engine.device == "cuda" or (
             config.engine.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
         )
-        num_gpus = config.engine.tensor_parallel_size if on_gpu else 0
+        num_gpus = config.tensor_parallel_size_of(role) if on_gpu else 0
     return {
         "name": replica_id,
         "namespace": config.ray.namespace,
@@ -415,7 +415,7 @@ class RayBackend:
         self._next_index[role] += 1
         replica_id = f"{role.value}-{index}"
         spec = EngineSpec(replica_id, role.value, self._model.path, self._model.served_name,
-                          self._config)
+                          self._config.for_pool(role))
         actor = ray.remote(EngineActor).options(
             **actor_options(self._config, role, replica_id)).remote(spec)
         replica = Replica(replica_id, role, actor)
@@ -554,7 +554,8 @@ def _create_pool(config: PdserveConfig, model: ResolvedModel, role: PoolRole) ->
     actor_cls = ray.remote(EngineActor)
     for index in range(config.pools.for_role(role).replicas):
         replica_id = f"{role.value}-{index}"
-        spec = EngineSpec(replica_id, role.value, model.path, model.served_name, config)
+        spec = EngineSpec(replica_id, role.value, model.path, model.served_name,
+                          config.for_pool(role))
         handle = actor_cls.options(**actor_options(config, role, replica_id)).remote(spec)
         pool.replicas.append(Replica(replica_id, role, handle))
     return pool

@@ -14,6 +14,10 @@
   `resumed_from_preemption`); `iter_scheduled` reads either.
 - 0.32's scheduler-side `bind_kv_cache_manager` is not used: block ids come from
   `update_state_after_alloc` and the scheduler output, which both versions provide.
+- Where the KV-heads axis of a layer's KV tensor sits (`heads_axis`): 0.32 views every layer as
+  [B, H, N, C] (`vllm.v1.kv_cache_layout`; C = K and V of a head, 2*head_size); 0.24's
+  FlashAttention [2, B, N, H, D] and FlashInfer / Triton [B, 2, N, H, D] put H just before
+  head_size (FlashInfer's HND order is a stride permutation of that logical shape).
 
 Only attribute access happens here; vLLM is imported lazily and only for names both versions
 share, so this module (and the pure scheduler side) import without vLLM.
@@ -21,6 +25,7 @@ share, so this module (and the pure scheduler side) import without vLLM.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +34,13 @@ from pdserve.kv.connector.metadata import prompt_blocks
 
 __all__ = [
     "FinishKind",
+    "KVHeads",
     "ScheduledRequest",
     "block_ids_of",
     "finish_kind",
+    "heads_axis",
     "iter_scheduled",
+    "kv_heads_of",
     "kv_num_blocks",
     "model_id_of",
     "prompt_block_ids",
@@ -144,3 +152,37 @@ def tp_rank_and_size(vllm_config: Any) -> tuple[int, int]:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank()), int(vllm_config.parallel_config.tensor_parallel_size)
+
+
+@dataclass(frozen=True, slots=True)
+class KVHeads:
+    """The model's KV heads as a worker's KV tensors hold them."""
+
+    total: int  # the model's KV heads; 1 for MLA, whose latent every rank holds whole
+    local: int  # this TP rank's
+    head_size: int
+
+
+def kv_heads_of(vllm_config: Any) -> KVHeads:
+    """The KV heads of the engine's model; worker process, once at start."""
+    model_config = vllm_config.model_config
+    local = int(model_config.get_num_kv_heads(vllm_config.parallel_config))
+    total = 1 if getattr(model_config, "use_mla", False) else int(model_config.get_total_num_kv_heads())
+    return KVHeads(total, local, int(model_config.get_head_size()))
+
+
+def _views_bhnc() -> bool:
+    """0.32+: every layer's KV is a logical [B, H, N, C] view."""
+    return importlib.util.find_spec("vllm.v1.kv_cache_layout") is not None
+
+
+def heads_axis(shape: Sequence[int], heads: KVHeads, *, bhnc: bool | None = None) -> int | None:
+    """The KV-heads axis of a layer's KV tensor of `shape` (as vLLM hands it, before any
+    kernel-block split), or None when the layout is not one described above. `bhnc` overrides
+    the installed version's rule (tests)."""
+    bhnc = _views_bhnc() if bhnc is None else bhnc
+    if bhnc:
+        axis = 1 if len(shape) == 4 else None
+    else:
+        axis = len(shape) - 2 if len(shape) >= 4 and shape[-1] == heads.head_size else None
+    return axis if axis is not None and shape[axis] == heads.local else None

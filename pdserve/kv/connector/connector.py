@@ -108,7 +108,9 @@ class PdserveConnector(KVConnectorBase_V1):
         """Worker, once at start: register the KV tensors; a prefill engine starts serving."""
         assert self.worker_side is not None
         tp_rank, tp_size = compat.tp_rank_and_size(self._vllm_config)
-        self.worker_side.register_kv_caches(kv_caches, tp_rank=tp_rank, tp_size=tp_size)
+        self.worker_side.register_kv_caches(
+            kv_caches, tp_rank=tp_rank, tp_size=tp_size, heads=compat.kv_heads_of(self._vllm_config)
+        )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         """Worker, once at start (after register_kv_caches): where this worker serves KV."""

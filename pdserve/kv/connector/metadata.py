@@ -47,7 +47,8 @@ class RemotePrefill:
 
     `remote_block_ids[i]` holds prompt tokens [i*B, (i+1)*B) of the first `num_prompt_tokens`
     (B = block size, equal on both sides: the transport handshake checks it).
-    `remote_tp_addresses` is set only for TP > 1: decode worker rank r pulls from entry r.
+    `remote_tp_addresses` is set only for TP > 1: entry r is prefill TP rank r's source. Which of
+    them a decode rank pulls from depends on both TP sizes (`transport.heads.sources_for`).
     """
 
     remote_engine_id: str
@@ -105,11 +106,10 @@ class RemotePrefill:
             remote_tp_addresses=tuple(tp_addresses),
         )
 
-    def address_for_rank(self, tp_rank: int) -> str:
-        """The source a decode worker of `tp_rank` pulls from."""
-        if not self.remote_tp_addresses:
-            return self.remote_address
-        return self.remote_tp_addresses[tp_rank]
+    @property
+    def source_addresses(self) -> tuple[str, ...]:
+        """Each prefill TP rank's source address, by rank (one entry at TP 1)."""
+        return self.remote_tp_addresses or (self.remote_address,)
 
 
 def _require(params: Mapping[str, Any], key: str, kind: type) -> Any:

@@ -15,7 +15,9 @@ Decode pulls: started at once (`BlockSink.start_pull` never blocks), polled each
 reported exactly once in the receiving set, whether it succeeded or failed. A failed pull's
 destination blocks are reported by `take_load_errors` in the same step, so vLLM applies
 kv_load_failure_policy; the remote pin is released (best effort; its lease covers the rest).
-The transports bound every pull (gRPC deadline, NCCL pair timeout), so none hangs.
+The transports bound every pull (gRPC deadline, NCCL pair timeout), so none hangs. When the
+prefill and decode TP sizes differ, a request's pull is one transport pull per prefill rank
+holding some of this rank's KV heads, reported once all of them ended (pulls.py).
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from typing import Protocol
 
 import torch
 
+from pdserve.kv.connector.compat import KVHeads
 from pdserve.kv.connector.config import ConnectorConfig
 from pdserve.kv.connector.layout import build_layout, build_regions
 from pdserve.kv.connector.metadata import KVPin, KVPull, RemotePrefill, StepPlan, WorkerEndpoint
+from pdserve.kv.connector.pulls import PullGroup, SourcePlan, plan_sources
 from pdserve.kv.transport.base import (
     BlockRegion,
     BlockSink,
@@ -167,7 +171,7 @@ class WorkerSide:
         self._lock = threading.Lock()  # guards _sends and _ready (transport threads end pins)
         self._sends: dict[str, _Send] = {}
         self._ready: set[str] = set()
-        self._pulls: dict[str, tuple[KVTransfer, KVPull]] = {}
+        self._pulls: dict[str, tuple[PullGroup, KVPull, SourcePlan | None]] = {}
         self._load_errors: set[int] = set()
         self._plan: StepPlan | None = None
         self.history: deque[PullRecord] = deque(maxlen=_HISTORY)
@@ -176,14 +180,25 @@ class WorkerSide:
     # ---- start and stop ------------------------------------------------------------------
 
     def register_kv_caches(
-        self, kv_caches: Mapping[str, torch.Tensor], *, tp_rank: int, tp_size: int
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        *,
+        tp_rank: int,
+        tp_size: int,
+        heads: KVHeads | None = None,
     ) -> None:
         """Builds regions and layout, and on a producer starts serving. Called once by vLLM's
-        model runner after allocating the KV cache; blocks only to bind the server port."""
+        model runner after allocating the KV cache; blocks only to bind the server port.
+        `heads` lets the layout declare its KV-heads axis, so peers of another TP size can pull."""
         self.tp_rank = tp_rank
-        self.regions = build_regions(kv_caches, self.num_blocks)
+        self.regions = build_regions(kv_caches, self.num_blocks, heads)
         self.layout = build_layout(
-            self.regions, model_id=self.model_id, block_size=self.block_size, tp_rank=tp_rank, tp_size=tp_size
+            self.regions,
+            model_id=self.model_id,
+            block_size=self.block_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            num_kv_heads=heads.total if heads is not None else 0,
         )
         if self.config.is_producer:
             self.source = self.transports.make_source(
@@ -258,12 +273,16 @@ class WorkerSide:
         for release in plan.releases:
             self._release_remote(release.remote)
 
-    def _release_remote(self, remote: RemotePrefill) -> None:
-        """Fire and forget; a failure only delays the free until the source's lease ends."""
+    def _release_remote(self, remote: RemotePrefill, addresses: Sequence[str] | None = None) -> None:
+        """Asks the prefill ranks at `addresses` (default: every one this rank must release) to
+        unpin a request. Fire and forget; a failure only delays the free until the lease ends."""
         try:
-            self._sink(remote.transport).release_remote(
-                remote.address_for_rank(self.tp_rank), remote.remote_request_id
-            )
+            assert self.layout is not None
+            if addresses is None:
+                addresses = plan_sources(remote, self.layout).releases
+            sink = self._sink(remote.transport)
+            for address in addresses:
+                sink.release_remote(address, remote.remote_request_id)
         except Exception:
             logger.warning(
                 "release of %s at %s failed", remote.remote_request_id, remote.remote_address, exc_info=True
@@ -313,19 +332,28 @@ class WorkerSide:
             logger.warning("request %s: KV lease expired before a decode engine pulled it", request_id)
 
     def _start_pull(self, pull: KVPull) -> None:
+        """One transport pull per prefill rank this rank takes KV heads from (plan_sources)."""
         remote = pull.remote
+        plan: SourcePlan | None = None
         try:
+            assert self.layout is not None
+            plan = plan_sources(remote, self.layout)
             sink = self._sink(remote.transport)
-            handle = sink.start_pull(
-                remote.address_for_rank(self.tp_rank),
-                remote.remote_request_id,
-                pull.src_block_ids,
-                pull.dst_block_ids,
-            )
+            transfers = [
+                sink.start_pull(
+                    part.address,
+                    remote.remote_request_id,
+                    pull.src_block_ids,
+                    pull.dst_block_ids,
+                    release=part.release_after,
+                )
+                for part in plan.parts
+            ]
         except Exception as exc:  # noqa: BLE001 - failures are state, reported with the policy
-            handle = KVTransfer(remote.remote_request_id, remote.remote_address, len(pull.dst_block_ids))
-            handle.finish(f"could not start the pull: {type(exc).__name__}: {exc}")
-        self._pulls[pull.request_id] = (handle, pull)
+            failed = KVTransfer(remote.remote_request_id, remote.remote_address, len(pull.dst_block_ids))
+            failed.finish(f"could not start the pull: {type(exc).__name__}: {exc}")
+            transfers = [failed]
+        self._pulls[pull.request_id] = (PullGroup(transfers), pull, plan)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(prefill requests whose blocks may be freed, decode requests whose pull ended).
@@ -338,7 +366,7 @@ class WorkerSide:
             sending, self._ready = self._ready, set()
             for request_id in sending:
                 self._sends.pop(request_id, None)
-        recving = {request_id for request_id, (handle, _) in self._pulls.items() if handle.done}
+        recving = {request_id for request_id, (handle, _, _) in self._pulls.items() if handle.done}
         for request_id in recving:
             self._finish_pull(request_id)
         idle = self._plan is None or self._plan.num_scheduled_tokens == 0
@@ -347,7 +375,8 @@ class WorkerSide:
         return sending, recving
 
     def _finish_pull(self, request_id: str) -> None:
-        handle, pull = self._pulls.pop(request_id)
+        handle, pull, plan = self._pulls.pop(request_id)
+        succeeded = handle.state is TransferState.DONE
         record = PullRecord(
             request_id,
             handle.state,
@@ -358,7 +387,11 @@ class WorkerSide:
         )
         self.history.append(record)
         self._unreported.append(record)
-        if handle.state is TransferState.DONE:
+        if plan is not None and plan.releases_after(succeeded):
+            # Prefill ranks read by several decode ranks (or never read): their pins end once
+            # every rank that must release them has.
+            self._release_remote(pull.remote, plan.releases_after(succeeded))
+        if succeeded:
             logger.info(
                 "request %s: pulled %d blocks (%.1f MiB) in %.1f ms from %s",
                 request_id,
@@ -376,7 +409,8 @@ class WorkerSide:
             self.config.failure_policy,
         )
         self._load_errors.update(pull.dst_block_ids)
-        self._release_remote(pull.remote)
+        if plan is None:
+            self._release_remote(pull.remote)
 
     def take_load_errors(self) -> set[int]:
         """Destination blocks of pulls that failed since the last call; called by vLLM right

@@ -60,7 +60,9 @@ __all__ = [
 # Bump on any change to the messages or to the byte order of blocks on the wire; peers speaking
 # another version are refused at handshake rather than misreading each other's bytes.
 # 2: NCCL pulls are driven over a per-pair control connection (PullBlocksNccl is no longer used).
-WIRE_VERSION = 2
+# 3: TP sizes may differ: the compatibility hash leaves TP out, kv_layout marks the heads axis,
+#    and a pull moves the head slice both ranks hold (heads.py).
+WIRE_VERSION = 3
 # A pinned request's blocks are freed after this long even if no decode worker pulls them, so a
 # lost decode request cannot leak prefill KV. 30 s is ~100x a slow CPU pull of a long prompt.
 DEFAULT_LEASE_S = 30.0
@@ -104,7 +106,11 @@ class TransferState(Enum):
 
 @dataclass(frozen=True, slots=True)
 class KVLayoutSpec:
-    """What must match for two engines to exchange KV blocks byte for byte."""
+    """What must match for two engines to exchange KV blocks byte for byte.
+
+    `kv_layout` describes a block TP-independently (heads axis as "[total heads]", heads.py);
+    `tp_size` and `tp_rank` may differ between peers whose KV heads intersect (`heads.check_tp`).
+    """
 
     model: str
     dtype: str
@@ -115,17 +121,26 @@ class KVLayoutSpec:
     num_layers: int = 0
 
     def compat_hash(self) -> str:
-        """Stable sha256 of every field; called once per handshake on each side."""
-        canonical = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        """Stable sha256 of every field but the TP ones; called once per handshake on each side."""
+        fields = {name: getattr(self, name) for name in _HASHED_FIELDS}
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(b"pdserve.kv.layout\0" + canonical.encode()).hexdigest()
 
 
+# Fields that must be equal on both sides; TP is checked by heads.check_tp instead.
+_HASHED_FIELDS = tuple(f.name for f in dataclasses.fields(KVLayoutSpec) if not f.name.startswith("tp_"))
+
+
 def check_compatible(local: KVLayoutSpec, remote: KVLayoutSpec) -> None:
-    """Raises IncompatiblePeerError naming the first field that differs; called at handshake."""
-    for field in dataclasses.fields(KVLayoutSpec):
-        mine, theirs = getattr(local, field.name), getattr(remote, field.name)
+    """Raises IncompatiblePeerError naming the first field that differs, then any TP sizes and
+    ranks that cannot exchange KV heads; called at handshake."""
+    from pdserve.kv.transport import heads
+
+    for name in _HASHED_FIELDS:
+        mine, theirs = getattr(local, name), getattr(remote, name)
         if mine != theirs:
-            raise IncompatiblePeerError(field.name, mine, theirs)
+            raise IncompatiblePeerError(name, mine, theirs)
+    heads.check_tp(local, remote)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,15 +170,21 @@ class BlockRegion:
 
     Built by the connector in `register_kv_caches`, one per layer tensor (or one per shared buffer).
     The transport copies whole blocks; it never assumes the block dim is first or that a block is
-    contiguous in memory.
+    contiguous in memory. `heads_dim`, when known, is the tensor's KV-heads axis: pulls between
+    different TP sizes move a head slice of each block (`narrow_heads`).
     """
 
     tensor: torch.Tensor
     block_dim: int = 0
+    heads_dim: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.block_dim < self.tensor.dim():
             raise ValueError(f"block_dim {self.block_dim} out of range for shape {tuple(self.tensor.shape)}")
+        if self.heads_dim is not None and (
+            self.heads_dim == self.block_dim or not 0 <= self.heads_dim < self.tensor.dim()
+        ):
+            raise ValueError(f"heads_dim {self.heads_dim} invalid for shape {tuple(self.tensor.shape)}")
         if self.info().block_nbytes > MAX_BLOCK_NBYTES:
             raise ValueError(f"a block of {self.info().block_nbytes} bytes exceeds {MAX_BLOCK_NBYTES}")
 
@@ -171,6 +192,13 @@ class BlockRegion:
     def num_blocks(self) -> int:
         """How many blocks the region holds."""
         return self.tensor.shape[self.block_dim]
+
+    def narrow_heads(self, start: int, count: int) -> BlockRegion:
+        """A view of heads [start, start+count) of this region's own heads; at handshake."""
+        if self.heads_dim is None:
+            raise ValueError("this region has no known KV heads axis")
+        view = self.tensor.narrow(self.heads_dim, start, count)
+        return BlockRegion(view, self.block_dim, self.heads_dim)
 
     def info(self) -> RegionInfo:
         """The region's wire description; cheap, called at construction and handshake."""
@@ -235,6 +263,7 @@ def verify_hello(local: KVLayoutSpec, cluster_token: str, role: str, hello: Peer
     if hello.compat_hash != local.compat_hash():
         check_compatible(local, hello.layout)
         raise IncompatiblePeerError("compat_hash", local.compat_hash(), hello.compat_hash)
+    check_compatible(local, hello.layout)  # the hash leaves TP out
 
 
 class KVTransfer:
@@ -343,6 +372,7 @@ class BlockSource(ABC):
         self._cluster_token = cluster_token
         self._lease_s = lease_s
         self._pins = PinTable(on_release)
+        self._views: dict[tuple[int, int], tuple[BlockRegion, ...]] = {}
 
     @property
     @abstractmethod
@@ -386,9 +416,27 @@ class BlockSource(ABC):
         (reason PULLED). Called exactly once per successful `open_read`, even on failure."""
         self._pins.finish_read(request_id, ReleaseReason.PULLED if release else None)
 
-    def release_by_peer(self, request_id: str) -> bool:
-        """Transports only: a sink sent Release; False if the request was not pinned."""
-        return self._pins.release(request_id, ReleaseReason.REMOTE)
+    def release_by_peer(self, request_id: str, peer: KVLayoutSpec | None = None) -> bool:
+        """Transports only: a sink sent Release; False if the request was not pinned. With the
+        sink's layout, the pin ends once every rank of the sink's TP group that must release it
+        has (heads.releasers_of); a lone rank of equal TP ends it at once."""
+        from pdserve.kv.transport import heads
+
+        total = heads.num_kv_heads(self.layout)
+        if peer is None or not total:
+            return self._pins.release(request_id, ReleaseReason.REMOTE)
+        needed = heads.releasers_of(total, self.layout.tp_size, self.layout.tp_rank, peer.tp_size)
+        return self._pins.release_share(request_id, ReleaseReason.REMOTE, peer.tp_rank, needed)
+
+    def regions_for(self, peer: KVLayoutSpec) -> tuple[BlockRegion, ...]:
+        """The views of the regions that pulls by `peer` move (heads.peer_regions), cached per
+        peer TP rank; called at handshake, after the hello was verified."""
+        from pdserve.kv.transport import heads
+
+        key = (peer.tp_size, peer.tp_rank)
+        if key not in self._views:
+            self._views[key] = heads.peer_regions(self.regions, self.layout, peer)
+        return self._views[key]
 
     def accept_hello(self, hello: PeerHello) -> PeerHello:
         """Checks a sink's hello and answers with this source's; raises KVTransportError.
@@ -421,6 +469,7 @@ class BlockSink(ABC):
         self.region_infos = tuple(r.info() for r in self.regions)
         self.engine_id = engine_id
         self._cluster_token = cluster_token
+        self._views: dict[tuple[int, int], tuple[BlockRegion, ...]] = {}
 
     @abstractmethod
     def handshake(self, remote_address: str) -> PeerInfo:
@@ -486,10 +535,21 @@ class BlockSink(ABC):
             return "negative source block id"
         return None
 
+    def regions_for(self, peer: KVLayoutSpec) -> tuple[BlockRegion, ...]:
+        """The views of the local regions that pulls from `peer` fill (heads.peer_regions),
+        cached per peer TP rank; called at handshake, after the hello was verified."""
+        from pdserve.kv.transport import heads
+
+        key = (peer.tp_size, peer.tp_rank)
+        if key not in self._views:
+            self._views[key] = heads.peer_regions(self.regions, self.layout, peer)
+        return self._views[key]
+
     def _verify_source(self, address: str, hello: PeerHello, regions: Sequence[RegionInfo]) -> PeerInfo:
-        """Checks the source's half of a handshake; shared by every sink."""
+        """Checks the source's half of a handshake (`regions`: what the source moves for this
+        sink); shared by every sink."""
         verify_hello(self.layout, self._cluster_token, "server", hello, self.wire_version)
-        check_regions(self.region_infos, regions)
+        check_regions([r.info() for r in self.regions_for(hello.layout)], regions)
         return PeerInfo(address, hello.engine_id, hello.layout, tuple(regions))
 
     def _hello(self) -> PeerHello:

@@ -119,12 +119,12 @@ class FakeSink(BlockSink):
         """Checks a source exactly as the real transports do; raises KVTransportError."""
         source = self._fabric.lookup(remote_address)
         reply = source.accept_hello(self._hello())
-        return self._verify_source(remote_address, reply, [r.info() for r in source.regions])
+        return self._verify_source(remote_address, reply, [r.info() for r in source.regions_for(self.layout)])
 
     def release_remote(self, remote_address: str, request_id: str) -> None:
         """Unpins on the source at once; an unreachable source is ignored (its lease covers it)."""
         try:
-            self._fabric.lookup(remote_address).release_by_peer(request_id)
+            self._fabric.lookup(remote_address).release_by_peer(request_id, self.layout)
         except KVTransportError:
             pass
 
@@ -156,28 +156,36 @@ class FakeSink(BlockSink):
             self._threads.discard(threading.current_thread())
 
     def _pull(self, transfer: KVTransfer, src: list[int], dst: list[int], release: bool) -> None:
-        self.handshake(transfer.remote_address)
+        info = self.handshake(transfer.remote_address)
         source = self._fabric.lookup(transfer.remote_address)
         source.open_read(transfer.request_id, src)
         completed = False
         try:
             transfer.set_transferring()
-            self._copy(transfer, source, src, dst)
+            self._copy(transfer, source.regions_for(self.layout), self.regions_for(info.layout), src, dst)
             completed = True
         finally:
             source.close_read(transfer.request_id, release=completed and release)
 
-    def _copy(self, transfer: KVTransfer, source: FakeSource, src: list[int], dst: list[int]) -> None:
-        src_index = {id(r): blocks.block_index(src, r.tensor.device) for r in source.regions}
-        dst_index = {id(r): blocks.block_index(dst, r.tensor.device) for r in self.regions}
-        sizes = [r.block_nbytes for r in self.region_infos]
+    def _copy(
+        self,
+        transfer: KVTransfer,
+        src_regions: Sequence[BlockRegion],
+        dst_regions: Sequence[BlockRegion],
+        src: list[int],
+        dst: list[int],
+    ) -> None:
+        """Copies piece by piece between the source's and this sink's views for each other."""
+        src_index = {id(r): blocks.block_index(src, r.tensor.device) for r in src_regions}
+        dst_index = {id(r): blocks.block_index(dst, r.tensor.device) for r in dst_regions}
+        sizes = [r.info().block_nbytes for r in dst_regions]
         for piece in blocks.plan_pieces(sizes, len(src), FAKE_PIECE_BYTES):
             if self._fabric.delay_s:
                 time.sleep(self._fabric.delay_s)
             if self._fabric.fail_with is not None:
                 raise KVTransportError(self._fabric.fail_with)
             self._fabric.lookup(transfer.remote_address)  # raises once the source was killed
-            src_region, dst_region = source.regions[piece.region], self.regions[piece.region]
+            src_region, dst_region = src_regions[piece.region], dst_regions[piece.region]
             data = blocks.gather(src_region, src_index[id(src_region)], piece)
             blocks.scatter(dst_region, dst_index[id(dst_region)], piece, data)
             transfer.add_bytes(piece.nbytes)

@@ -97,7 +97,7 @@ class GrpcSource(BlockSource):
             on_release=on_release,
             lease_s=lease_s,
         )
-        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._sessions: OrderedDict[str, KVLayoutSpec] = OrderedDict()  # session id -> peer layout
         self._sessions_lock = threading.Lock()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=server_threads, thread_name_prefix="kv-grpc-server"),
@@ -126,21 +126,24 @@ class GrpcSource(BlockSource):
         finally:
             self._pins.close()
 
-    def open_session(self, peer_engine_id: str) -> str:
+    def open_session(self, peer: KVLayoutSpec) -> str:
         """Server thread, once per accepted handshake: a fresh session id for the peer."""
         session_id = secrets.token_hex(16)
         with self._sessions_lock:
-            self._sessions[session_id] = peer_engine_id
+            self._sessions[session_id] = peer
             while len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
         return session_id
 
-    def has_session(self, session_id: str | None) -> bool:
-        """Server thread, once per call after Handshake: whether the caller handshook."""
+    def session_peer(self, session_id: str | None) -> KVLayoutSpec | None:
+        """Server thread, once per call after Handshake: the caller's layout, or None when it
+        did not handshake."""
         with self._sessions_lock:
-            return session_id is not None and session_id in self._sessions
+            return self._sessions.get(session_id) if session_id is not None else None
 
-    def serve_setup_communicator(self, pair_id: str, backend: str) -> tuple[str, bytes]:
+    def serve_setup_communicator(
+        self, pair_id: str, backend: str, regions: Sequence[BlockRegion]
+    ) -> tuple[str, bytes]:
         """NCCL side channel (server thread): only NcclSource serves it."""
         raise NotImplementedError("this KV source serves gRPC pulls only")
 
@@ -150,14 +153,17 @@ class GrpcSource(BlockSource):
         """NCCL side channel (server thread): only NcclSource serves it."""
         raise NotImplementedError("this KV source serves gRPC pulls only")
 
-    def chunks(self, block_ids: list[int], max_chunk_bytes: int) -> Iterator[pb.BlockChunk]:
-        """Server thread, once per PullBlocks: the pull's blocks as chunks, gathered lazily
-        (one chunk in memory at a time). Blocks on the gather copies."""
+    def chunks(
+        self, block_ids: list[int], max_chunk_bytes: int, regions: Sequence[BlockRegion]
+    ) -> Iterator[pb.BlockChunk]:
+        """Server thread, once per PullBlocks: the pull's blocks of `regions` (this source's
+        views for the peer) as chunks, gathered lazily (one chunk in memory at a time). Blocks
+        on the gather copies."""
         chunk_bytes = min(max(max_chunk_bytes, 1), MAX_MESSAGE_BYTES - (1 << 20))
-        sizes = [r.info().block_nbytes for r in self.regions]
+        sizes = [r.info().block_nbytes for r in regions]
         indexes: dict[torch.device, torch.Tensor] = {}
         for piece in blocks.plan_pieces(sizes, len(block_ids), chunk_bytes):
-            region = self.regions[piece.region]
+            region = regions[piece.region]
             device = region.tensor.device
             if device not in indexes:
                 indexes[device] = blocks.block_index(block_ids, device)
@@ -188,15 +194,16 @@ class _Servicer(pb_grpc.KVTransferServicer):
             code, trailing = wire.refusal_status(exc)
             context.set_trailing_metadata(trailing)
             context.abort(code, str(exc))
-        session_id = self._source.open_session(request.engine_id)
-        regions = [r.info() for r in self._source.regions]
+        peer = wire.layout_from_proto(request.layout)
+        session_id = self._source.open_session(peer)
+        regions = [r.info() for r in self._source.regions_for(peer)]
         return wire.hello_to_response(reply, session_id, regions)
 
     def PullBlocks(
         self, request: pb.PullBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.BlockChunk]:
         """Once per gRPC pull: streams the chunks; holds a server thread for the whole stream."""
-        self._require_session(context)
+        regions = self._source.regions_for(self._require_session(context))
         block_ids = list(request.block_ids)
         try:
             self._source.open_read(request.request_id, block_ids)
@@ -206,23 +213,24 @@ class _Servicer(pb_grpc.KVTransferServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         completed = False
         try:
-            yield from self._source.chunks(block_ids, request.max_chunk_bytes or DEFAULT_CHUNK_BYTES)
+            yield from self._source.chunks(block_ids, request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, regions)
             completed = True
         finally:
             self._source.close_read(request.request_id, release=completed and request.release_after)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        """When a sink gives up on a request: unpins it (fires on_release with REMOTE)."""
-        self._require_session(context)
-        return pb.ReleaseResponse(released=self._source.release_by_peer(request.request_id))
+        """When a sink gives up on a request, or one of several sink ranks reading it is done:
+        unpins it once every such rank released (fires on_release with REMOTE)."""
+        peer = self._require_session(context)
+        return pb.ReleaseResponse(released=self._source.release_by_peer(request.request_id, peer))
 
     def SetupCommunicator(
         self, request: pb.SetupCommunicatorRequest, context: grpc.ServicerContext
     ) -> pb.SetupCommunicatorResponse:
         """Once per NCCL pair: delegates to the source (UNIMPLEMENTED on a plain GrpcSource)."""
-        self._require_session(context)
+        regions = self._source.regions_for(self._require_session(context))
         store_address, params = self._call(
-            context, self._source.serve_setup_communicator, request.pair_id, request.backend
+            context, self._source.serve_setup_communicator, request.pair_id, request.backend, regions
         )
         return pb.SetupCommunicatorResponse(store_address=store_address, params=params)
 
@@ -241,10 +249,12 @@ class _Servicer(pb_grpc.KVTransferServicer):
         )
         return pb.PullBlocksNcclResponse(total_bytes=total)
 
-    def _require_session(self, context: grpc.ServicerContext) -> None:
-        session_id = dict(context.invocation_metadata()).get(wire.SESSION_KEY)
-        if not self._source.has_session(session_id):
+    def _require_session(self, context: grpc.ServicerContext) -> KVLayoutSpec:
+        """The caller's layout from its session; aborts the call when it has none."""
+        peer = self._source.session_peer(dict(context.invocation_metadata()).get(wire.SESSION_KEY))
+        if peer is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid session: handshake first")
+        return peer
 
     @staticmethod
     def _call(context: grpc.ServicerContext, method, *args):
@@ -260,11 +270,13 @@ class _Servicer(pb_grpc.KVTransferServicer):
 
 @dataclass(frozen=True, slots=True)
 class SourceSession:
-    """A handshaken source: what the sink knows of it and how to call it."""
+    """A handshaken source: what the sink knows of it, how to call it, and the views of the
+    sink's regions that its pulls fill (head slices when TP sizes differ)."""
 
     info: PeerInfo
     stub: pb_grpc.KVTransferStub
     metadata: tuple[tuple[str, str], ...]
+    regions: tuple[BlockRegion, ...]
 
 
 class GrpcSink(BlockSink):
@@ -384,19 +396,25 @@ class GrpcSink(BlockSink):
         with self._lock:
             self._streams.add(stream)
         try:
-            self._receive(stream, transfer, dst)
+            self._receive(stream, transfer, dst, session.regions)
         finally:
             with self._lock:
                 self._streams.discard(stream)
-        expected = len(dst) * sum(r.block_nbytes for r in self.region_infos)
+        expected = len(dst) * sum(r.info().block_nbytes for r in session.regions)
         if transfer.bytes_moved != expected:
             raise KVTransportError(f"stream ended after {transfer.bytes_moved} of {expected} bytes")
 
-    def _receive(self, stream: Iterator[pb.BlockChunk], transfer: KVTransfer, dst: list[int]) -> None:
+    def _receive(
+        self,
+        stream: Iterator[pb.BlockChunk],
+        transfer: KVTransfer,
+        dst: list[int],
+        regions: Sequence[BlockRegion],
+    ) -> None:
         indexes: dict[torch.device, torch.Tensor] = {}
         for chunk in stream:
-            piece = self._piece_of(chunk, len(dst))
-            region = self.regions[piece.region]
+            piece = self._piece_of(chunk, len(dst), regions)
+            region = regions[piece.region]
             device = region.tensor.device
             if device not in indexes:
                 indexes[device] = blocks.block_index(dst, device)
@@ -406,14 +424,15 @@ class GrpcSink(BlockSink):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-    def _piece_of(self, chunk: pb.BlockChunk, num_blocks: int) -> blocks.Piece:
+    @staticmethod
+    def _piece_of(chunk: pb.BlockChunk, num_blocks: int, regions: Sequence[BlockRegion]) -> blocks.Piece:
         """Validates a chunk from the network before any byte of it is written."""
-        if chunk.region >= len(self.regions):
-            raise KVTransportError(f"malformed chunk: region {chunk.region} of {len(self.regions)}")
+        if chunk.region >= len(regions):
+            raise KVTransportError(f"malformed chunk: region {chunk.region} of {len(regions)}")
         end = chunk.block_offset + chunk.block_count
         if chunk.block_count == 0 or end > num_blocks:
             raise KVTransportError(f"malformed chunk: blocks {chunk.block_offset}..{end} of {num_blocks}")
-        nbytes = chunk.block_count * self.region_infos[chunk.region].block_nbytes
+        nbytes = chunk.block_count * regions[chunk.region].info().block_nbytes
         if len(chunk.data) != nbytes:
             raise KVTransportError(f"malformed chunk: {len(chunk.data)} bytes, expected {nbytes}")
         return blocks.Piece(chunk.region, chunk.block_offset, chunk.block_count, nbytes)
@@ -432,7 +451,8 @@ class GrpcSink(BlockSink):
             raise wire.error_from_rpc(exc, address) from None
         hello = wire.hello_from_message(response)
         info = self._verify_source(address, hello, wire.regions_from_response(response))
-        return SourceSession(info, stub, ((wire.SESSION_KEY, response.session_id),))
+        metadata = ((wire.SESSION_KEY, response.session_id),)
+        return SourceSession(info, stub, metadata, self.regions_for(hello.layout))
 
     def _release_quietly(self, address: str, request_id: str) -> None:
         try:

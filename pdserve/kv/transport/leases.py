@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class _Pin:
     deadline: float
     readers: int = 0
     ended_by: ReleaseReason | None = None  # set when the pin ended while a read was in flight
+    released_by: set[int] = field(default_factory=set)  # sink TP ranks that released a share
 
 
 class PinTable:
@@ -108,6 +109,21 @@ class PinTable:
             del self._pins[request_id]
         self._fire(request_id, reason)
         return True
+
+    def release_share(
+        self, request_id: str, reason: ReleaseReason, releaser: int, needed: frozenset[int]
+    ) -> bool:
+        """Records that sink rank `releaser` released the pin; ends it (as `release`) once every
+        rank in `needed` has. False if it was not pinned. Several decode ranks read one prefill
+        rank's pin when their TP sizes differ; the pin must outlive all of their pulls."""
+        with self._wakeup:
+            pin = self._pins.get(request_id)
+            if pin is None or pin.ended_by is not None:
+                return False
+            pin.released_by.add(releaser)
+            if not needed <= pin.released_by:
+                return True
+        return self.release(request_id, reason)
 
     def close(self) -> None:
         """Drops every pin without callbacks and stops the reaper; called by BlockSource.close."""

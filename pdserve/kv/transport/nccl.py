@@ -16,13 +16,16 @@ the pin, answers with one reply frame and sends. Both ends cut the pull into the
 the sink reads the refusal after the data and fails the pull (the connector recomputes or
 fails the request, whose destination blocks it reports as failed).
 
-Batches are gathered into one of two staging buffers per side and sent as one message, so
-gathering batch i+1 overlaps sending batch i (and receiving i+1 overlaps scattering i). On CUDA
-every gather, send, receive and scatter of a pull is queued without waiting on the host (the
-pair's stream orders them), then the pull thread waits once on a CUDA event: the pull costs two
-thread wake-ups per side, not one per operation, which matters inside a busy engine process
-where every wake-up waits for the GIL. A watchdog aborts a pair whose pull outlives the pair
-timeout, which ends the pending NCCL operations and fails the pull.
+Staging is a ring of `staging_buffers` buffers of `staging_bytes` per side (pair settings, the
+source's choice). Batch i is gathered into buffer i % K and sent as one message, so gathering
+batches i+1 .. i+K-1 overlaps sending batch i (and receiving them overlaps scattering i), and
+the pipeline's fill and drain is one small batch. On CUDA the copies are gpu_copy's launches
+over tables uploaded once per endpoint: a pull uploads only its block ids. Every gather, send,
+receive and scatter of a pull is queued without waiting on the host (the pair's stream orders
+them), then the pull thread waits once on a CUDA event: the pull costs two thread wake-ups per
+side, not one per operation, which matters inside a busy engine process where every wake-up
+waits for the GIL. A watchdog aborts a pair whose pull outlives the pair timeout, which ends
+the pending NCCL operations and fails the pull.
 
 Pulls on one pair run one at a time in the same order on both ends. A failed send or receive
 breaks the pair on that end; the next pull sets up a fresh pair.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import secrets
 import socket
@@ -52,12 +56,17 @@ from pdserve.kv.transport.grpc import HANDSHAKE_TIMEOUT_S, GrpcSink, GrpcSource,
 
 logger = logging.getLogger(__name__)
 
-# 128 MiB per staging buffer, two buffers per pair and side. Measured NCCL send/recv between two
+# Staging: a ring of 4 buffers of 32 MiB per pair and side. Measured NCCL send/recv between two
 # H100s over NVLink: 20 GB/s at 1 MiB messages, 282 GB/s at 16 MiB, 348 GB/s at 128 MiB, 372 GB/s
-# at 1 GiB. One Llama-8B block of one layer is 64 KiB, so sending slices one by one would crawl;
-# 128 MiB batches get near peak with few host calls per pull (a 2048-token prompt, 256 MiB, is
-# 2 batches), while the second buffer lets the next gather overlap the send.
-DEFAULT_STAGING_BYTES = 128 << 20
+# at 1 GiB. One Llama-8B block of one layer is 64 KiB, so sending slices one by one would crawl.
+# Two 128 MiB buffers (the first design) left a 2048-token pull (256 MiB) unpipelined: its first
+# gather and last scatter, 128 MiB each, ran alone. 32 MiB batches keep messages in NCCL's fast
+# range while the fill and drain shrink 4x; four buffers keep three gathers ahead of the send.
+# benchmarks/transfer_bench.py sweeps both (`--batch-mib`, `--buffers`).
+DEFAULT_STAGING_BYTES = 32 << 20
+DEFAULT_STAGING_BUFFERS = 4
+# What a source that predates the setting uses (its settings lack "staging_buffers").
+LEGACY_STAGING_BUFFERS = 2
 # Rendezvous and per-pull timeout of a pair. A receive waits this long for a dead peer
 # before failing the pull; keep it well above the longest pull (~1 s for 256 MiB on gloo).
 DEFAULT_PAIR_TIMEOUT_S = 30.0
@@ -70,6 +79,16 @@ _SETTINGS_KEYS: dict[str, type | tuple[type, ...]] = {
     "control_port": int,
     "control_key": bytes,
 }
+# Later settings, absent from older sources' params: (type, value when absent). Older sinks
+# ignore them; the batch plan depends on staging_bytes only, so either side may differ in ring
+# depth without losing step (send i still meets receive i).
+_OPTIONAL_SETTINGS: dict[str, tuple[type, object]] = {
+    "staging_buffers": (int, LEGACY_STAGING_BUFFERS),
+    "nccl_min_channels": (int, 0),  # 0: NCCL's own choice
+}
+# Staging ring depth and NCCL channels a source may ask for.
+MAX_STAGING_BUFFERS = 16
+MAX_NCCL_CHANNELS = 64
 # Pull phases kept when tracing (benchmarks); old ones fall off.
 _TRACE_LEN = 4096
 
@@ -84,9 +103,11 @@ def backend_for(regions: Sequence[BlockRegion]) -> tuple[str, torch.device]:
 
 
 def make_pair_group(
-    store: dist.Store, rank: int, backend: str, host: str, timeout_s: float
+    store: dist.Store, rank: int, backend: str, host: str, timeout_s: float, min_channels: int = 0
 ) -> dist.ProcessGroup:
     """A 2-rank group over `store`; blocks until the peer joins (gloo) or the first op (NCCL).
+    `min_channels` > 0 asks NCCL for at least that many channels (CTAs) on this pair's
+    communicators only (ncclConfig_t.minCTAs; no environment, no GPU setting changes).
 
     Called once per pair on each end, on a pair or pull thread.
     """
@@ -99,6 +120,11 @@ def make_pair_group(
     options = dist.ProcessGroupNCCL.Options()
     # Past our own watchdog's deadline, so a stuck pull is aborted by it, not by torch's.
     options._timeout = timeout + datetime.timedelta(seconds=30)
+    if min_channels:
+        try:
+            options.config.min_ctas = min_channels  # NCCL caps it at its MAXCHANNELS
+        except AttributeError:  # torch built against an NCCL without ncclConfig_t CTAs
+            logger.warning("this torch cannot set NCCL channels per communicator; using defaults")
     return dist.ProcessGroupNCCL(store, rank, 2, options)
 
 
@@ -112,14 +138,27 @@ def local_ip_towards(host: str) -> str:
 def plan(
     region_nbytes: Sequence[int], num_blocks: int, staging_bytes: int
 ) -> list[list[tuple[blocks.Piece, int]]]:
-    """The batches of a pull; both ends call it with the same arguments."""
+    """The batches of a pull; both ends call it with the same arguments. Cached (pulls of one
+    size repeat): treat the result as read-only."""
+    return _pull_plan(tuple(region_nbytes), num_blocks, staging_bytes, None)[0]
+
+
+@functools.lru_cache(maxsize=512)
+def _pull_plan(
+    region_nbytes: tuple[int, ...], num_blocks: int, staging_bytes: int, run_shape: tuple[int, int] | None
+) -> tuple[list[list[tuple[blocks.Piece, int]]], list[tuple[int, int]] | None]:
+    """The batches of a pull and, given (runs per block, run bytes) of a gpu_copy.RunTable,
+    each batch's span of runs. Pure, so cached across pulls."""
     capacity = max(staging_bytes, *region_nbytes)
-    return blocks.pack_batches(blocks.plan_pieces(region_nbytes, num_blocks, capacity), capacity)
+    batches = blocks.pack_batches(blocks.plan_pieces(region_nbytes, num_blocks, capacity), capacity)
+    if run_shape is None:
+        return batches, None
+    return batches, gpu_copy.batch_spans(*run_shape, num_blocks, batches)
 
 
 @dataclass(slots=True)
 class _Pair:
-    """One end of a pair: its communicator, control connection, staging buffers and stream."""
+    """One end of a pair: its communicator, control connection, staging ring and stream."""
 
     pair_id: str
     backend: str
@@ -127,21 +166,33 @@ class _Pair:
     timeout_s: float
     staging_bytes: int
     store: dist.Store
+    staging_buffers: int = DEFAULT_STAGING_BUFFERS
+    min_channels: int = 0  # NCCL channels asked for (0: NCCL's choice)
     group: dist.ProcessGroup | None = None
     control: socket.socket | None = None
     staging: tuple[torch.Tensor, ...] = ()
     stream: torch.cuda.Stream | None = None
     deadline: float | None = None  # of the pull in flight; the watchdog aborts past it
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # The views of this end's regions that the pair's pulls move (head slices when the peers'
+    # TP sizes differ: heads.peer_regions), and their run table.
+    regions: tuple[BlockRegion, ...] = ()
+    runs: gpu_copy.RunTable | None = None
 
     def join(self, rank: int, host: str) -> None:
         """Builds the group, staging and stream; pair thread (source) or pull thread (sink), once."""
         self.group = make_pair_group(
-            dist.PrefixStore(self.pair_id, self.store), rank, self.backend, host, self.timeout_s
+            dist.PrefixStore(self.pair_id, self.store),
+            rank,
+            self.backend,
+            host,
+            self.timeout_s,
+            self.min_channels,
         )
         # Allocated on the device's current stream; used only on the pair's own stream.
         self.staging = tuple(
-            torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)
+            torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.device)
+            for _ in range(self.staging_buffers)
         )
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
@@ -210,9 +261,11 @@ class _Watchdog:
 class NcclSource(GrpcSource):
     """A GrpcSource that also sends blocks over per-pair torch.distributed groups.
 
-    Takes GrpcSource's arguments plus `staging_bytes` (per buffer) and `pair_timeout_s`. Each
-    pair has its own thread: it joins the group, accepts the control connection, then serves
-    the pair's pulls in order until the sink goes away or the source closes.
+    Takes GrpcSource's arguments plus `staging_bytes` (per buffer: the batch size of one
+    send), `staging_buffers` (ring depth), `nccl_min_channels` (0: NCCL's choice) and
+    `pair_timeout_s`; the sink of each pair adopts the first three. Each pair has its own
+    thread: it joins the group, accepts the control connection, then serves the pair's pulls in
+    order until the sink goes away or the source closes.
     """
 
     def __init__(
@@ -221,12 +274,21 @@ class NcclSource(GrpcSource):
         regions: Sequence[BlockRegion],
         *,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staging_buffers: int = DEFAULT_STAGING_BUFFERS,
+        nccl_min_channels: int = 0,
         pair_timeout_s: float = DEFAULT_PAIR_TIMEOUT_S,
         **grpc_options,
     ):
+        if not 2 <= staging_buffers <= MAX_STAGING_BUFFERS or not 0 <= nccl_min_channels <= MAX_NCCL_CHANNELS:
+            raise ValueError(
+                f"staging_buffers must be 2..{MAX_STAGING_BUFFERS} and nccl_min_channels "
+                f"0..{MAX_NCCL_CHANNELS}, got {staging_buffers} and {nccl_min_channels}"
+            )
         self.backend, self.device = backend_for(regions)
         self._region_nbytes = [r.info().block_nbytes for r in regions]
         self.staging_bytes = max(staging_bytes, *self._region_nbytes)
+        self.staging_buffers = staging_buffers
+        self.nccl_min_channels = nccl_min_channels
         self.pair_timeout_s = pair_timeout_s
         self._runs = gpu_copy.RunTable.build(regions)  # one-launch gathers on CUDA, else None
         self._pairs: dict[str, tuple[_Pair, socket.socket]] = {}
@@ -235,7 +297,9 @@ class NcclSource(GrpcSource):
         super().__init__(layout, regions, **grpc_options)
         self._watchdog = _Watchdog(self._pairs, self._pairs_lock)
 
-    def serve_setup_communicator(self, pair_id: str, backend: str) -> tuple[str, bytes]:
+    def serve_setup_communicator(
+        self, pair_id: str, backend: str, regions: Sequence[BlockRegion]
+    ) -> tuple[str, bytes]:
         """Server thread, once per pair: hosts the pair's store and control listener and starts
         the pair thread. Returns at once with the store's address and the pair settings."""
         if backend != self.backend:
@@ -244,7 +308,18 @@ class NcclSource(GrpcSource):
             )
         timeout = datetime.timedelta(seconds=self.pair_timeout_s)
         store = dist.TCPStore(self.host, 0, 2, True, timeout, wait_for_workers=False)
-        pair = _Pair(pair_id, self.backend, self.device, self.pair_timeout_s, self.staging_bytes, store)
+        pair = _Pair(
+            pair_id,
+            self.backend,
+            self.device,
+            self.pair_timeout_s,
+            self.staging_bytes,
+            store,
+            staging_buffers=self.staging_buffers,
+            min_channels=self.nccl_min_channels,
+            regions=tuple(regions),
+            runs=self._runs if regions is self.regions else gpu_copy.RunTable.build(regions),
+        )
         listener = control.listen(self.host)
         key = secrets.token_bytes(32)
         with self._pairs_lock:
@@ -258,6 +333,8 @@ class NcclSource(GrpcSource):
         settings = {
             "timeout_s": self.pair_timeout_s,
             "staging_bytes": self.staging_bytes,
+            "staging_buffers": self.staging_buffers,
+            "nccl_min_channels": self.nccl_min_channels,
             "control_port": listener.getsockname()[1],
             "control_key": key,
         }
@@ -313,22 +390,30 @@ class NcclSource(GrpcSource):
             self.close_read(header.request_id, release=sent and header.release_after)
 
     def _send(self, pair: _Pair, block_ids: list[int], *, gather: bool) -> None:
-        """Gathers and sends the pull's batches, alternating staging buffers; returns once the
-        last send is done (so the blocks may be freed and staging reused)."""
+        """Gathers and sends the pull's batches round the staging ring; returns once the last
+        send is done (so the blocks may be freed and staging reused)."""
         pair.deadline = time.monotonic() + pair.timeout_s
-        pending: list = [None, None]
-        batches = plan(self._region_nbytes, len(block_ids), pair.staging_bytes)
+        ring = len(pair.staging)
+        pending: list = [None] * ring
         with _on_stream(pair):
-            copy = _batch_copier(self._runs, self.regions, pair, block_ids, batches, to_staging=True)
+            batches, copy = _batch_copier(
+                pair.runs,
+                pair.regions,
+                [r.info().block_nbytes for r in pair.regions],
+                pair,
+                block_ids,
+                to_staging=True,
+            )
             for i, batch in enumerate(batches):
-                slot = i % 2
+                slot = i % ring
                 if pending[slot] is not None:
                     pending[slot].wait()  # that buffer's last send is done (CUDA: the stream waits)
                 staging = pair.staging[slot]
                 if gather:
-                    copy(i, batch, staging)
+                    copy(i, staging)
                 # Looked up per batch: close() may abort the pair between two sends.
-                pending[slot] = pair.live_group().send([staging[: blocks.batch_nbytes(batch)]], 1, slot)
+                group = pair.live_group()
+                pending[slot] = group.send([staging[: blocks.batch_nbytes(batch)]], 1, _tag(i))
             for work in pending:
                 if work is not None:
                     work.wait()
@@ -404,29 +489,33 @@ class NcclSink(GrpcSink):
     def _receive_batches(
         self, pair: _Pair, transfer: KVTransfer, dst: list[int], trace: PullTrace | None
     ) -> None:
-        region_nbytes = [r.block_nbytes for r in self.region_infos]
-        batches = plan(region_nbytes, len(dst), pair.staging_bytes)
+        """Posts a receive per staging buffer, then per batch: scatter it, and post the receive
+        that reuses its buffer. On CUDA all of it is queued before the one wait."""
+        region_nbytes = [r.info().block_nbytes for r in pair.regions]
+        ring = len(pair.staging)
         pending: dict[int, object] = {}
         timing = self._gpu_timing(pair, trace)
         pair.deadline = time.monotonic() + pair.timeout_s
 
         def post(i: int) -> None:
-            staging = pair.staging[i % 2][: blocks.batch_nbytes(batches[i])]
-            pending[i] = pair.live_group().recv([staging], 0, i % 2)
+            staging = pair.staging[i % ring][: blocks.batch_nbytes(batches[i])]
+            pending[i] = pair.live_group().recv([staging], 0, _tag(i))
 
         with _on_stream(pair):
-            copy = _batch_copier(self._runs, self.regions, pair, dst, batches, to_staging=False)
             if timing:
                 timing[0].record()
-            for i in range(min(2, len(batches))):
+            batches, copy = _batch_copier(
+                pair.runs, pair.regions, region_nbytes, pair, dst, to_staging=False
+            )
+            for i in range(min(ring, len(batches))):
                 post(i)
             for i, batch in enumerate(batches):
                 pending.pop(i).wait()  # CUDA: the stream waits; gloo: the data is here
-                copy(i, batch, pair.staging[i % 2])
+                copy(i, pair.staging[i % ring])
                 if pair.stream is None:
                     transfer.add_bytes(sum(piece.nbytes for piece, _ in batch))
-                if i + 2 < len(batches):
-                    post(i + 2)  # into the buffer just scattered: queued after that scatter
+                if i + ring < len(batches):
+                    post(i + ring)  # into the buffer just scattered: queued after that scatter
             if timing:
                 timing[1].record()
         self._stamp(trace, transfer, "queued")
@@ -483,7 +572,16 @@ class NcclSink(GrpcSink):
         timeout = datetime.timedelta(seconds=settings["timeout_s"])
         store = dist.TCPStore(host, int(port), 2, False, timeout)
         pair = _Pair(
-            pair_id, self.backend, self.device, settings["timeout_s"], settings["staging_bytes"], store
+            pair_id,
+            self.backend,
+            self.device,
+            settings["timeout_s"],
+            settings["staging_bytes"],
+            store,
+            staging_buffers=settings["staging_buffers"],
+            min_channels=settings["nccl_min_channels"],
+            regions=session.regions,
+            runs=self._runs if session.regions is self.regions else gpu_copy.RunTable.build(session.regions),
         )
         try:
             pair.join(rank=1, host=local_ip_towards(host))
@@ -507,11 +605,16 @@ def _decode_settings(params: bytes) -> dict[str, float | int | bytes]:
     settings = msgpack.unpackb(params, raw=False, strict_map_key=True)
     if not isinstance(settings, dict):
         raise KVTransportError("malformed pair settings from the KV source")
-    for key, kind in _SETTINGS_KEYS.items():
+    for key, (kind, absent) in _OPTIONAL_SETTINGS.items():
+        settings.setdefault(key, absent)
+    kinds = {**_SETTINGS_KEYS, **{key: kind for key, (kind, _) in _OPTIONAL_SETTINGS.items()}}
+    for key, kind in kinds.items():
         if not isinstance(settings.get(key), kind) or isinstance(settings.get(key), bool):
             raise KVTransportError(f"malformed pair setting {key!r} from the KV source")
     if (
         not 0 < settings["staging_bytes"] <= 1 << 32
+        or not 2 <= settings["staging_buffers"] <= MAX_STAGING_BUFFERS
+        or not 0 <= settings["nccl_min_channels"] <= MAX_NCCL_CHANNELS
         or not 0 < settings["timeout_s"] <= 3600
         or not 0 < settings["control_port"] < 65536
         or len(settings["control_key"]) != 32
@@ -520,31 +623,43 @@ def _decode_settings(params: bytes) -> dict[str, float | int | bytes]:
     return settings
 
 
+def _tag(batch: int) -> int:
+    """The message tag of batch i: alternating 0/1 whatever the ring depth, as before rings
+    (gloo matches a tag's messages in order; NCCL ignores tags)."""
+    return batch % 2
+
+
 def _batch_copier(
     runs: gpu_copy.RunTable | None,
     regions: Sequence[BlockRegion],
+    region_nbytes: Sequence[int],
     pair: _Pair,
     block_ids: list[int],
-    batches: list[list[tuple[blocks.Piece, int]]],
     *,
     to_staging: bool,
-) -> Callable[[int, list[tuple[blocks.Piece, int]], torch.Tensor], None]:
-    """copy(i, batch, staging): moves batch i between the regions and its staging buffer, on
-    the current stream. With a run table, one upload per pull and one launch per batch;
-    otherwise one torch copy (CUDA) or memmove loop (CPU) per piece."""
+) -> tuple[list[list[tuple[blocks.Piece, int]]], Callable[[int, torch.Tensor], None]]:
+    """(batches, copy) of a pull: its plan, and copy(i, staging) that moves batch i between the
+    regions and a staging buffer, on the current stream. With a run table, one small block-id
+    upload per pull and one launch per batch; otherwise one torch copy (CUDA) or memmove loop
+    (CPU) per piece. Per-pair regions plug in here: pass that pair's table and regions."""
+    run_shape = None if runs is None else (runs.runs_per_block, runs.run_bytes)
+    batches, spans = _pull_plan(tuple(region_nbytes), len(block_ids), pair.staging_bytes, run_shape)
     if runs is not None:
-        pointers = [t.data_ptr() for t in pair.staging]
-        table, spans = runs.plan(block_ids, batches, pointers, to_staging=to_staging)
-        addresses = gpu_copy.upload(table, pair.device)
-        return lambda i, batch, staging: gpu_copy.copy_runs(addresses, spans[i], runs.run_bytes)
+        ids = gpu_copy.upload_block_ids(block_ids, pair.device)  # lives as long as `copy`
+
+        def launch(i: int, staging: torch.Tensor) -> None:
+            words = staging[: spans[i][1] * runs.run_bytes].view(torch.int32)
+            gpu_copy.copy_batch(runs, ids, spans[i], words, to_staging=to_staging)
+
+        return batches, launch
     index = blocks.block_index(block_ids, pair.device)
     move = blocks.gather if to_staging else blocks.scatter
 
-    def copy(i: int, batch: list[tuple[blocks.Piece, int]], staging: torch.Tensor) -> None:
-        for piece, offset in batch:
+    def copy(i: int, staging: torch.Tensor) -> None:
+        for piece, offset in batches[i]:
             move(regions[piece.region], index, piece, staging[offset:])
 
-    return copy
+    return batches, copy
 
 
 @contextlib.contextmanager

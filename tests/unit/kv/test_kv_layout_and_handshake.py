@@ -29,16 +29,28 @@ LLAMA = KVLayoutSpec("meta-llama/Llama-3.1-8B", "bfloat16", 16, "flash_attn:[2,n
 
 def test_compat_hash_is_stable_across_releases():
     # Changing this digest means old and new engines refuse each other: bump WIRE_VERSION too.
-    assert LLAMA.compat_hash() == "1b1df0b0a2442711437302405c383694c8fa2053056e3a1a1c6f8ea34904514d"
+    assert LLAMA.compat_hash() == "6577c2fe3effd7989521be454f9486a75578be488cb205c627d4ed0980a6c5ad"
 
 
-@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(KVLayoutSpec)])
-def test_every_field_changes_the_hash_and_is_named_when_it_differs(field):
+@pytest.mark.parametrize(
+    "field", [f.name for f in dataclasses.fields(KVLayoutSpec) if not f.name.startswith("tp_")]
+)
+def test_every_field_but_tp_changes_the_hash_and_is_named_when_it_differs(field):
     value = getattr(LLAMA, field)
     changed = dataclasses.replace(LLAMA, **{field: value + 1 if isinstance(value, int) else value + "x"})
 
     assert changed.compat_hash() != LLAMA.compat_hash()
     with pytest.raises(IncompatiblePeerError, match=field) as refused:
+        check_compatible(LLAMA, changed)
+    assert refused.value.field == field
+
+
+@pytest.mark.parametrize("field", ["tp_size", "tp_rank"])
+def test_tp_is_left_out_of_the_hash_but_named_when_no_heads_axis_allows_it_to_differ(field):
+    changed = dataclasses.replace(LLAMA, **{field: getattr(LLAMA, field) + 1})
+
+    assert changed.compat_hash() == LLAMA.compat_hash()
+    with pytest.raises(IncompatiblePeerError, match="equal tensor_parallel_size") as refused:
         check_compatible(LLAMA, changed)
     assert refused.value.field == field
 

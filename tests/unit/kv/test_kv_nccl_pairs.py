@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 from kv_helpers import LAYOUT, TOKEN, WAIT_S, assert_blocks_equal, kv_regions
 
-from pdserve.kv.transport.base import TransferState
-from pdserve.kv.transport.nccl import NcclSink, NcclSource, plan
+from pdserve.kv.transport.base import KVTransportError, TransferState
+from pdserve.kv.transport.nccl import NcclSink, NcclSource, _decode_settings, plan
 
 pytestmark = pytest.mark.unit
 
@@ -46,3 +47,45 @@ def test_both_ends_plan_the_same_batches_within_the_staging_buffer():
     batches = plan([64 << 10, 64 << 10, 192 << 10], num_blocks=100, staging_bytes=1 << 20)
     assert all(sum(p.nbytes for p, _ in b) <= 1 << 20 for b in batches)
     assert sum(p.nbytes for b in batches for p, _ in b) == 100 * (320 << 10)
+
+
+@pytest.mark.parametrize("buffers", [2, 3, 4])
+def test_a_deep_ring_of_small_batches_moves_every_block(buffers):
+    source = NcclSource(
+        LAYOUT,
+        kv_regions(32, seed=3),
+        engine_id="prefill-ring",
+        cluster_token=TOKEN,
+        staging_bytes=4 << 10,  # a few blocks per batch: many batches cycle the ring
+        staging_buffers=buffers,
+    )
+    sink_regions = kv_regions(32, seed=4, sink_side=True)
+    sink = NcclSink(LAYOUT, sink_regions, engine_id="decode-ring", cluster_token=TOKEN)
+    try:
+        ids = [31, 0, 7, 12, 3, 19, 25, 8, 1, 30, 17, 22]
+        state, transfer = pull(source, sink, "ring", ids)
+        assert state is TransferState.DONE, transfer.error
+        assert len(plan([r.info().block_nbytes for r in source.regions], len(ids), 4 << 10)) > 2 * buffers
+        assert_blocks_equal(source.regions, ids, sink.regions, ids)
+        (pair,) = sink._pairs.values()
+        assert len(pair.staging) == buffers  # the sink adopted the source's ring
+    finally:
+        sink.close()
+        source.close()
+
+
+def settings(**changes):
+    base = {"timeout_s": 5.0, "staging_bytes": 1 << 20, "control_port": 5000, "control_key": b"k" * 32}
+    return msgpack.packb({**base, **changes}, use_bin_type=True)
+
+
+def test_pair_settings_of_an_older_source_mean_two_buffers():
+    decoded = _decode_settings(settings())
+    assert decoded["staging_buffers"] == 2 and decoded["nccl_min_channels"] == 0
+
+
+@pytest.mark.parametrize("bad", [{"staging_buffers": 1}, {"staging_buffers": 99}, {"nccl_min_channels": -1},
+                                 {"staging_buffers": "4"}, {"nccl_min_channels": True}])  # fmt: skip
+def test_pair_settings_out_of_range_are_refused(bad):
+    with pytest.raises(KVTransportError):
+        _decode_settings(settings(**bad))

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from pdserve.kv.connector import vllm_kv_transfer_config
+from pdserve.kv.connector.compat import KVHeads
 from pdserve.kv.connector.layout import build_layout, build_regions
 from pdserve.kv.transport.base import BlockRegion
 from pdserve.kv.transport.grpc import GrpcSource
@@ -245,9 +246,12 @@ class LocalSource:
         layers, kv_heads, head_dim = model_kv_shape(checkpoint)
         buffer = torch.randn(layers, num_blocks, kv_heads, BLOCK_SIZE, 2 * head_dim).to(dtype)
         caches = {f"layer.{i}": buffer[i] for i in range(layers)}
-        self.regions: list[BlockRegion] = build_regions(caches, num_blocks)
+        # As the engines register theirs: the heads axis declared, so the layouts match.
+        heads = KVHeads(kv_heads, kv_heads, head_dim)
+        self.regions: list[BlockRegion] = build_regions(caches, num_blocks, heads)
         self.layout = build_layout(
-            self.regions, model_id=model_id, block_size=BLOCK_SIZE, tp_rank=0, tp_size=1
+            self.regions, model_id=model_id, block_size=BLOCK_SIZE, tp_rank=0, tp_size=1,
+            num_kv_heads=kv_heads,
         )
         self.released: list[tuple[str, str]] = []
         self.source = GrpcSource(
@@ -264,8 +268,8 @@ class LocalSource:
         """Sleeps before each chunk it sends, so a test can act while a pull is in flight."""
         chunks = self.source.chunks
 
-        def slow_chunks(block_ids: list[int], max_chunk_bytes: int):
-            for chunk in chunks(block_ids, max_chunk_bytes):
+        def slow_chunks(block_ids: list[int], max_chunk_bytes: int, regions):
+            for chunk in chunks(block_ids, max_chunk_bytes, regions):
                 time.sleep(delay_s)
                 yield chunk
 

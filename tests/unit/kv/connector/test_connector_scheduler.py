@@ -247,7 +247,7 @@ def test_prefill_with_tensor_parallel_workers_names_every_rank() -> None:
     request.status = Status.FINISHED_LENGTH_CAPPED
     _, params = side.request_finished(request, blocks(2))
     assert params["remote_address"] == "h:1" and params["remote_tp_addresses"] == ["h:1", "h:2"]
-    assert RemotePrefill.from_params(params).address_for_rank(1) == "h:2"
+    assert RemotePrefill.from_params(params).source_addresses[1] == "h:2"
 
 
 def test_decode_only_engine_frees_prefill_requests_at_once() -> None:

@@ -1,0 +1,41 @@
+"""Per-pool tensor-parallel sizes: prefill and decode engines may use different TP."""
+
+import pytest
+
+from pdserve.cli import build_parser, serve_overrides
+from pdserve.config import load_config
+from pdserve.config.schema import PoolRole
+from pdserve.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+
+def test_pools_default_to_the_engine_tp_and_may_override_it():
+    config = load_config(None, {"engine.tensor_parallel_size": 2, "pools.prefill.tensor_parallel_size": 1})
+    assert config.tensor_parallel_size_of(PoolRole.PREFILL) == 1
+    assert config.tensor_parallel_size_of(PoolRole.DECODE) == 2
+    # What an engine of each pool sees: only `engine` is read by engines.
+    assert config.for_pool(PoolRole.PREFILL).engine.tensor_parallel_size == 1
+    assert config.for_pool(PoolRole.DECODE) is config
+
+
+def test_cli_flags_set_each_pool_tp():
+    args = build_parser().parse_args(["serve", "--prefill-tp", "1", "--decode-tp", "2"])
+    config = load_config(None, serve_overrides(args))
+    assert config.tensor_parallel_size_of(PoolRole.PREFILL) == 1
+    assert config.tensor_parallel_size_of(PoolRole.DECODE) == 2
+
+
+def test_a_pool_tp_above_one_is_refused_on_cpu():
+    with pytest.raises(ConfigError, match="pools.decode.tensor_parallel_size"):
+        load_config(None, {"engine.device": "cpu", "pools.decode.tensor_parallel_size": 2})
+
+
+def test_engine_actors_reserve_their_pool_tp_in_gpus():
+    ray_backend = pytest.importorskip("pdserve.serving.ray_backend")
+    config = load_config(
+        None,
+        {"engine.device": "cuda", "pools.prefill.tensor_parallel_size": 1, "pools.decode.tensor_parallel_size": 2},
+    )
+    assert ray_backend.actor_options(config, PoolRole.PREFILL, "p-0")["num_gpus"] == 1
+    assert ray_backend.actor_options(config, PoolRole.DECODE, "d-0")["num_gpus"] == 2
