@@ -91,7 +91,7 @@ for part in "$@"; do
       xz -c "$out/ramp/pdserve.log" >"$out/ramp-pdserve.log.xz"; rm -rf "$out/ramp" ;;
     tp)
       trap stop_ray EXIT
-      python3 benchmarks/gpu/tp_check.py --model "$model" --out "$out/tp.json" || echo "tp failed: $?"
+      python3 benchmarks/gpu/tp_check.py --model "$model" --out "$out/tp.json" --arms ${TP_ARMS:-colocated-tp2 p1-d2 p2-d1} || echo "tp failed: $?"
       stop_ray ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
