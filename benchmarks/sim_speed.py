@@ -120,7 +120,7 @@ def main() -> int:
         if name.startswith("fluid"):
             results[name] = r = measure_fluid(name, float(seconds or 0), profile, args.flat_day)
             print(f"{name:>12}: {r['requests']} requests ({r['simulated_s']:.0f} s simulated, "
-                  f"{r['curve']}) in {r['cpu_s']:.1f} CPU s = "
+                  f"{r['curve']}) in {r['cpu_s']:.1f} CPU s, {r['wall_s']:.1f} wall s = "
                   f"{r['simulated_requests_per_cpu_s']:.0f} req/CPU-s "
                   f"({r['simulated_requests_per_wall_s']:.0f} req/wall-s); target day: "
                   f"{r['target_hours_every_cell'] * 60:.1f} min", flush=True)

@@ -179,11 +179,12 @@ def place_colocated(
     roomy = _roomy(request, engines, model)
     if isinstance(roomy, Rejection):
         return roomy
-    best = min(roomy, key=lambda e: (predicted_ttft(e, request, model), predicted_tpot(e, model),
-                                     e.num_decoding, -e.kv_free_blocks, e.replica_id))
-    chosen = Placement(best.replica_id, None, predicted_ttft(best, request, model),
-                       predicted_tpot(best, model), "colocated")
-    return _admit(chosen, slo, policy)
+    # The ranking tuples themselves: the winner's carries its predictions (replica ids are
+    # unique, so no two tuples tie).
+    ttft, tpot, _, _, replica_id = min(
+        (predicted_ttft(e, request, model), predicted_tpot(e, model), e.num_decoding,
+         -e.kv_free_blocks, e.replica_id) for e in roomy)
+    return _admit(Placement(replica_id, None, ttft, tpot, "colocated"), slo, policy)
 
 
 def _roomy(request: RouteRequest, engines: Sequence[EngineLoad],

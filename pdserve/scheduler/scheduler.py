@@ -47,6 +47,12 @@ class EngineState:
     healthy: bool = True
     ready: bool = True  # False while starting
     draining: bool = False
+    # `load()` and the fields it was built from: the router reads every engine on every
+    # request, while a request changes the books of one or two (the fluid simulator routes ~30
+    # cohorts a step over the same few engines). Callers change fields directly (the backend,
+    # the simulators), so the cache is checked against the fields, not invalidated by setters.
+    _load: EngineLoad | None = field(default=None, init=False, repr=False, compare=False)
+    _load_key: tuple = field(default=(), init=False, repr=False, compare=False)
 
     @property
     def accepting(self) -> bool:
@@ -58,14 +64,21 @@ class EngineState:
                 and self.reserved == 0)
 
     def load(self) -> EngineLoad:
+        key = (self.replica_id, self.queued_prefill_tokens, self.num_decoding, self.reserved,
+               self.kv_usage, self.num_kv_blocks, self.block_size, self.healthy, self.ready,
+               self.draining)
+        if key == self._load_key:
+            return self._load
         # Blocks the frontend has committed but the engine's last report may not show yet are
         # not tracked: the engine's usage lags by one stats interval at most.
         free = math.floor(self.num_kv_blocks * (1.0 - self.kv_usage))
         # Requests placed here but still prefilling elsewhere will join this engine's batch:
         # counting them keeps a burst of simultaneous placements from piling onto one engine.
         batch = max(self.num_decoding, self.reserved)
-        return EngineLoad(self.replica_id, self.queued_prefill_tokens, batch, free,
-                          self.block_size, self.healthy, self.accepting)
+        self._load = EngineLoad(self.replica_id, self.queued_prefill_tokens, batch, free,
+                                self.block_size, self.healthy, self.accepting)
+        self._load_key = key
+        return self._load
 
 
 @dataclass(slots=True)
@@ -83,6 +96,18 @@ class _Pool:
     name: str
     fit: OnlineFit
     engines: dict[str, EngineState] = field(default_factory=dict)
+    # `fit.model()` and the observation counts it was built at: the model changes only when
+    # the fit takes an observation, and rebuilding it costs as much as a routing decision.
+    _model: PerfModel | None = None
+    _model_counts: tuple[int, int, int] = (-1, -1, -1)
+
+    def model(self) -> PerfModel:
+        fit = self.fit
+        counts = (fit.prefill.count, fit.decode.count, fit.transfer.count)
+        if counts != self._model_counts:
+            self._model = fit.model()
+            self._model_counts = counts
+        return self._model
 
 
 class GlobalScheduler:
@@ -141,7 +166,7 @@ class GlobalScheduler:
             state.healthy = healthy
 
     def model(self, pool: str) -> PerfModel:
-        return self._pools[pool].fit.model()
+        return self._pools[pool].model()
 
     # --- routing --------------------------------------------------------------------------
 

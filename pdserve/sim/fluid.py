@@ -15,7 +15,7 @@ by batch; latencies go into histograms. Lifecycle of `FluidSimulation.run(arriva
    the same signals the per-request simulator gives it (pool size, starting engines, KV usage,
    decode batch, the SLO tracker's windowed TTFT/TPOT and arriving prompt tokens);
 2. per step: arrivals in [t, t + step_s) are bucketed by shape (prompt length to a factor of
-   2, output to a factor of 4) and each bucket is cut into cohorts of at most
+   2, output to a factor of 16) and each bucket is cut into cohorts of at most
    `cohort_per_engine` x (smallest group's engines) requests, so a cohort never asks more of a
    group than its engines can share out evenly; each cohort is routed once (its mean lengths)
    and the router's books are updated by its totals before the next is routed. A `Rejection`
@@ -134,8 +134,9 @@ class FluidRun:
 
 def _buckets(prompts: np.ndarray, outputs: np.ndarray) -> np.ndarray:
     """Cohort shape key: prompt to a factor of 2 (it decides local vs remote prefill and the
-    TTFT admission), output to a factor of 16 (it only enters the KV-room check)."""
-    return (np.log2(prompts).astype(np.int64) << 8) | (np.log2(outputs).astype(np.int64) >> 2)
+    TTFT admission), output to a factor of 16 (it only enters the KV-room check). int16, so a
+    stable argsort is a radix sort; `frexp`'s exponent is floor(log2) + 1, exactly."""
+    return ((np.frexp(prompts)[1] << 8) | ((np.frexp(outputs)[1] - 1) >> 2)).astype(np.int16)
 
 
 class FluidSimulation:
@@ -265,54 +266,64 @@ class FluidSimulation:
 
     def _route(self, times, prompts, outputs, t0: float, t1: float) -> None:
         """Place the step's arrivals cohort by cohort, then prefill them in their groups."""
+        count = len(times)
         keys = _buckets(prompts, outputs)
-        order = np.argsort(keys, kind="stable")
-        keys = keys[order]
-        cuts = np.flatnonzero(keys[1:] != keys[:-1]) + 1
-        cap = self._cohort_cap()
-        starts = [0]
-        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(keys)]):
-            starts.extend(range(a + cap, b, cap))
-            starts.append(b)
-        starts = np.unique(np.asarray(starts[:-1] + [len(keys)]))[:-1]
+        order = np.argsort(keys, kind="stable")  # int16 keys: a radix sort
+        starts, sizes = self._cohorts(keys[order])
         # Cohort totals in one pass: tokens in and out per cohort.
         tokens = np.add.reduceat(prompts[order], starts).tolist()
         outs = np.add.reduceat(outputs[order], starts).tolist()
-        ends = [*starts[1:].tolist(), len(keys)]
-        placed: dict[int, tuple[EngineGroup, list]] = {}  # prefilling group -> cohorts
+        slots: dict[int, int] = {}  # id(group) -> its number in `groups` for this step
+        groups: list[EngineGroup] = []
+        prefill_of = np.empty(len(sizes), np.intp)  # per cohort; -1: rejected
+        decode_of = np.empty(len(sizes), np.intp)
         prof = self.config.profile
-        for lo, hi, tok, out in zip(starts.tolist(), ends, tokens, outs):
-            self._place(order[lo:hi], tok, out, t0, placed, prof)
+        for i, (size, tok, out) in enumerate(zip(sizes.tolist(), tokens, outs)):
+            placed = self._place(size, tok, out, t0, prof)
+            if placed is None:
+                prefill_of[i] = decode_of[i] = -1
+                continue
+            for g in placed:
+                if id(g) not in slots:
+                    slots[id(g)] = len(groups)
+                    groups.append(g)
+            prefill_of[i], decode_of[i] = slots[id(placed[0])], slots[id(placed[1])]
+        # Per request, in arrival order: the cohorts' groups scattered back through `order`.
+        request_prefill = np.empty(count, np.intp)
+        request_prefill[order] = np.repeat(prefill_of, sizes)
+        request_decode = np.empty(count, np.intp)
+        request_decode[order] = np.repeat(decode_of, sizes)
         # The autoscaler's tracker gets about `tracker_samples_per_s` of the latencies.
-        self._sample_p = min(1.0, self.fluid.tracker_samples_per_s * (t1 - t0) / len(times))
-        for group, cohorts in placed.values():
-            decodes = list({id(c[1]): c[1] for c in cohorts}.values())
-            slot = {id(d): i for i, d in enumerate(decodes)}
-            idx = np.concatenate([c[0] for c in cohorts])
-            if len(decodes) > 1:
-                decode_of = np.concatenate([np.full(len(c[0]), slot[id(c[1])])
-                                            for c in cohorts])
-                by_time = np.argsort(idx, kind="stable")  # arrivals are in time order
-                idx, decode_of = idx[by_time], decode_of[by_time]
-            else:
-                idx = np.sort(idx)
-                decode_of = None
+        self._sample_p = min(1.0, self.fluid.tracker_samples_per_s * (t1 - t0) / count)
+        for slot in np.unique(prefill_of[prefill_of >= 0]).tolist():
+            group = groups[slot]
+            idx = np.flatnonzero(request_prefill == slot)  # arrival (time) order
             ft = group.admit_prefill(times[idx], prompts[idx].astype(float), t0, t1)
-            self._after_prefill(group, decodes, decode_of, idx, ft, times, prompts, outputs)
+            self._after_prefill(group, groups, request_decode[idx], idx, ft, times, prompts,
+                                outputs)
+
+    def _cohorts(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Start and size of each cohort over bucket keys in sorted order: a bucket cut into
+        runs of at most the cohort cap."""
+        bounds = [0, *(np.flatnonzero(keys[1:] != keys[:-1]) + 1).tolist(), len(keys)]
+        cap = self._cohort_cap()
+        starts = np.asarray([s for a, b in zip(bounds, bounds[1:]) for s in range(a, b, cap)])
+        return starts, np.diff(starts, append=len(keys))
 
     def _cohort_cap(self) -> int:
         sizes = [len(g.ready) for gs in self.groups.values() for g in gs.values()
                  if g.ready and not g.draining]
         return max(1, int(self.fluid.cohort_per_engine * min(sizes, default=1)))
 
-    def _place(self, idx, tokens: int, outputs: int, now: float, placed: dict, prof) -> None:
-        count = len(idx)
+    def _place(self, count: int, tokens: int, outputs: int, now: float,
+               prof) -> tuple[EngineGroup, EngineGroup] | None:
+        """Route one cohort and book it; its (prefilling, decoding) groups, None if rejected."""
         placement = self.router.route(range(max(1, tokens // count)), max(1, outputs // count))
         self.route_calls += 1
         if isinstance(placement, Rejection):
             self.rejected[placement.reason] = self.rejected.get(placement.reason, 0) + count
             self.tally.add_failed(count)
-            return
+            return None
         if placement.prefill is None:
             pool = COLOCATED if not self._disaggregated else DECODE
             group = self.groups[pool][placement.decode]
@@ -328,13 +339,13 @@ class FluidSimulation:
         d_state.num_decoding += count / len(decode.ready)
         d_state.kv_usage += (prof.blocks(tokens + outputs) /
                              (len(decode.ready) * prof.num_kv_blocks))
-        entry = placed.setdefault(id(group), (group, []))
-        entry[1].append((idx, decode))
+        return group, decode
 
-    def _after_prefill(self, group: EngineGroup, decodes: list[EngineGroup],
+    def _after_prefill(self, group: EngineGroup, groups: list[EngineGroup],
                        decode_of: np.ndarray, idx: np.ndarray, ft: np.ndarray,
                        times, prompts, outputs) -> None:
-        """First tokens are known: count one-token requests done, send the rest to decode."""
+        """First tokens are known: count one-token requests done, send the rest to decode
+        (`decode_of`: per request, its decode group's index in `groups`)."""
         prof = self.config.profile
         arrival, prompt, out = times[idx], prompts[idx], outputs[idx]
         ttft = ft + self._response_s - arrival
@@ -356,20 +367,41 @@ class FluidSimulation:
             self.tally.add_done(ttft[one], np.full(int(one.sum()), np.nan), e2el,
                                 prompt[one], out[one])
             self._end_s = max(self._end_s, float(ft[one].max()))
-        many = ~one
-        for i, decode in enumerate(decodes):
-            sel = many & (decode_of == i) if decode_of is not None else many
-            if not sel.any():
-                continue
-            join_at = ft[sel] + (pull[sel] if remote else 0.0)
-            alloc = full[sel].astype(float) if remote else np.zeros(int(sel.sum()))
-            decode.join(join_at, ft[sel], arrival[sel], out[sel], prompt[sel],
-                        full[sel].astype(float), alloc)
+            many = ~one
+        else:
+            many = None  # every request decodes (the common case: skip the masks)
+        first, last = int(decode_of[0]), int(decode_of[-1])
+        if first == last and (len(decode_of) < 3 or (decode_of == first).all()):
+            self._join(groups[first], many, remote, ft, pull if remote else None, arrival, out,
+                       prompt, full)
+            return
+        for slot in np.unique(decode_of).tolist():
+            sel = decode_of == slot
+            if many is not None:
+                sel &= many
+            if sel.any():
+                self._join(groups[slot], sel, remote, ft, pull if remote else None, arrival,
+                           out, prompt, full)
+
+    @staticmethod
+    def _join(decode: EngineGroup, sel, remote: bool, ft, pull, arrival, out, prompt,
+              full) -> None:
+        """The selected requests (`sel`: a mask, None for all) join `decode`'s batch, once
+        their KV is pulled when prefilled elsewhere."""
+        if sel is not None:
+            ft, arrival, out, prompt, full = ft[sel], arrival[sel], out[sel], prompt[sel], full[sel]
+            pull = pull[sel] if remote else None
+        if not len(ft):
+            return
+        blocks = full.astype(float)
+        decode.join(ft + pull if remote else ft, ft, arrival, out, prompt, blocks,
+                    blocks if remote else np.zeros(len(ft)))
 
     def _track(self, pool: str, now: float, values: np.ndarray, record) -> None:
         """Give the SLO tracker a sample of `values` (its percentiles need a few per second)."""
-        if self._sample_p < 1.0:
-            values = values[self._rng.random(len(values)) < self._sample_p]
+        if self._sample_p < 1.0:  # a binomial count of them, drawn with replacement
+            picks = self._rng.binomial(len(values), self._sample_p)
+            values = values[self._rng.integers(0, len(values), picks)]
         for v in values.tolist():
             record(pool, now, v)
 

@@ -44,12 +44,16 @@ _RING = 4096  # steps ahead a finishing request can be counted; grows for longer
 
 
 class TimedQueue:
-    """Rows (time, columns...) held until the clock passes their time; appended in chunks."""
+    """Rows (time, columns...) held until the clock passes their time; appended in chunks.
+
+    Chunks are kept as pushed (unsorted), with their earliest and latest time: most rows are
+    taken within a step or two of being pushed, a whole chunk at a time, and a chunk that
+    straddles the cut is split by a mask. Cheaper than sorting every chunk on the way in."""
 
     __slots__ = ("_chunks",)
 
     def __init__(self) -> None:
-        self._chunks: list[tuple[float, np.ndarray, tuple[np.ndarray, ...]]] = []
+        self._chunks: list[tuple[float, float, np.ndarray, tuple[np.ndarray, ...]]] = []
 
     def __bool__(self) -> bool:
         return bool(self._chunks)
@@ -57,22 +61,23 @@ class TimedQueue:
     def push(self, times: np.ndarray, *columns: np.ndarray) -> None:
         if not len(times):
             return
-        order = np.argsort(times, kind="stable")
-        times = times[order]
-        self._chunks.append((float(times[0]), times, tuple(c[order] for c in columns)))
+        self._chunks.append((float(times.min()), float(times.max()), times, columns))
 
     def pop_before(self, t: float) -> tuple[np.ndarray, tuple[np.ndarray, ...]] | None:
-        """Rows with time < t (in no particular order across chunks), removed from the queue."""
+        """Rows with time < t (in no particular order), removed from the queue."""
         taken, keep = [], []
         for chunk in self._chunks:
-            first, times, cols = chunk
+            first, last, times, cols = chunk
             if first >= t:
                 keep.append(chunk)
-                continue
-            i = int(np.searchsorted(times, t, side="left"))
-            taken.append((times[:i], tuple(c[:i] for c in cols)))
-            if i < len(times):
-                keep.append((float(times[i]), times[i:], tuple(c[i:] for c in cols)))
+            elif last < t:
+                taken.append((times, cols))
+            else:
+                early = times < t
+                late = ~early
+                taken.append((times[early], tuple(c[early] for c in cols)))
+                rest = times[late]
+                keep.append((float(rest.min()), last, rest, tuple(c[late] for c in cols)))
         self._chunks = keep
         if not taken:
             return None
@@ -82,7 +87,7 @@ class TimedQueue:
                 tuple(np.concatenate(cols) for cols in zip(*(c for _, c in taken))))
 
     def count(self) -> int:
-        return sum(len(times) for _, times, _ in self._chunks)
+        return sum(len(times) for _, _, times, _ in self._chunks)
 
 
 class EngineGroup:
@@ -109,7 +114,9 @@ class EngineGroup:
         self._ring_blocks = np.zeros(_RING)
         self.joining = TimedQueue()  # (join time) ft, arrival, output, prompt, blocks, alloc
         self.releases = TimedQueue()  # (time) blocks: prefill legs' KV, freed once pulled
-        self._pending: list[tuple[np.ndarray, ...]] = []  # (finish step, ft, arrival, out, prompt)
+        # Decoding requests by the step they joined in: (last finish step, earliest join step
+        # - 1, (finish step, ft, arrival, out, prompt)).
+        self._pending: list[tuple[float, float, tuple[np.ndarray, ...]]] = []
         self._log_steps = [0.0]
         self._log_t = [created]
         self._decoding_since: float | None = None
@@ -218,7 +225,8 @@ class EngineGroup:
         self._ring_blocks += np.bincount(slot, weights=blocks, minlength=len(self._ring_n))
         self.decoding += len(times)
         self.kv_used += float(alloc.sum())
-        self._pending.append((finish, ft, arrival, outputs, prompts))
+        self._pending.append((float(finish.max()), float((finish - outputs).min()),
+                              (finish, ft, arrival, outputs, prompts)))
 
     def _finish(self, s0: float, s1: float) -> None:
         """Requests whose last step lies in (s0, s1] leave the batch."""
@@ -252,23 +260,29 @@ class EngineGroup:
         """Requests finished so far: (finish time, ft, arrival, output, prompt), engine side."""
         if not self._pending:
             return None
-        cols = [np.concatenate(c) for c in zip(*self._pending)] if len(self._pending) > 1 \
-            else list(self._pending[0])
-        finish = cols[0]
-        done = finish <= self.steps if not everything else np.ones(len(finish), bool)
+        done, keep = [], []
+        for last, oldest, cols in self._pending:
+            if everything or last <= self.steps:  # the whole join chunk is over
+                done.append(cols)
+                continue
+            over = cols[0] <= self.steps
+            if over.any():
+                done.append(tuple(c[over] for c in cols))
+                rest = ~over
+                cols = tuple(c[rest] for c in cols)
+            keep.append((last, oldest, cols))
+        self._pending = keep
         log_s = np.asarray(self._log_steps)
         log_t = np.asarray(self._log_t)
-        rest = ~done
-        if rest.any():
-            self._pending = [tuple(c[rest] for c in cols)]
-            oldest = float((finish[rest] - cols[3][rest]).min())  # earliest join step
-            keep = max(int(np.searchsorted(log_s, oldest, side="right")) - 2, 0)
+        if keep:  # the (step, time) curve from the earliest join still decoding
+            oldest = min(c[1] for c in keep)
+            start = max(int(np.searchsorted(log_s, oldest, side="right")) - 2, 0)
         else:
-            self._pending = []
-            keep = len(log_s) - 1
-        self._log_steps = self._log_steps[keep:]
-        self._log_t = self._log_t[keep:]
-        if not done.any():
+            start = len(log_s) - 1
+        self._log_steps = self._log_steps[start:]
+        self._log_t = self._log_t[start:]
+        if not done:
             return None
-        t_finish = np.interp(finish[done], log_s, log_t)
-        return (t_finish, *(c[done] for c in cols[1:]))
+        cols = [np.concatenate(c) for c in zip(*done)] if len(done) > 1 else list(done[0])
+        t_finish = np.interp(cols[0], log_s, log_t)
+        return (t_finish, *cols[1:])

@@ -133,3 +133,82 @@ def test_simultaneous_placements_spread_over_decode_engines():
         sched.reserve(placement)
         chosen.append(placement.decode)
     assert chosen.count("decode-0") == chosen.count("decode-1") == 8
+
+
+def _without_caches(sched: GlobalScheduler) -> GlobalScheduler:
+    """Forget every cached engine load and fitted model, as if the scheduler had no caches."""
+    for pool in sched._pools.values():
+        pool._model, pool._model_counts = None, (-1, -1, -1)
+        for state in pool.engines.values():
+            state._load_key = ()
+    return sched
+
+
+@pytest.mark.parametrize("pools", [("prefill", "decode"), ("colocated",)])
+def test_cached_loads_and_models_route_exactly_as_uncached(pools):
+    # Two schedulers take the same random book changes (through the scheduler and by direct
+    # writes to engine state, as the backend and the simulators make them); one forgets its
+    # caches before every routing call. Every placement must be the same.
+    import random
+
+    rng = random.Random(7)
+    seed = PerfModel(prefill_tokens_per_s=5000, decode_step_s=0.01, decode_step_per_seq_s=0.001)
+    cached, uncached = (GlobalScheduler(list(pools), seed, SloTargets(0.5, 0.05),
+                                        prefix_block_size=16) for _ in range(2))
+    ids = {pool: [f"{pool}-{i}" for i in range(4)] for pool in pools}
+    for sched in (cached, uncached):
+        for pool in pools:
+            for rid in ids[pool]:
+                sched.add_engine(pool, rid, 16, 400, ready=rid[-1] != "3")
+    tickets = {id(cached): [], id(uncached): []}
+
+    def change(sched: GlobalScheduler, op: int, pool: str, rid: str, r: list[float]) -> None:
+        state = sched.engine(pool, rid) if rid in sched._pools[pool].engines else None
+        mine = tickets[id(sched)]
+        if op == 0:
+            mine.append(sched.prefill_started(pool, rid, int(r[0] * 3000) + 1, now=r[1]))
+        elif op == 1 and mine:
+            sched.first_token(mine.pop(int(r[0] * len(mine))), now=r[1] + 1.0)
+        elif op == 2:
+            sched.decode_started(pool, rid)
+            sched.token_gap(pool, rid, 0.01 + r[0] * 0.02, 1)
+        elif op == 3:
+            sched.decode_finished(pool, rid)
+        elif op == 4:
+            sched.update_engine(pool, rid, kv_usage=r[0])
+        elif op == 5:
+            (sched.pin if r[0] < 0.5 else sched.unpin)(pool, rid)
+        elif op == 6:
+            sched.transfer_observed(int(r[0] * 4000) + 1, 0.001 + r[1] * 0.01)
+        elif op == 7 and state is not None:  # direct writes, fractional as the fluid mode's
+            state.queued_prefill_tokens += r[0] * 100
+            state.num_decoding += r[1]
+        elif op == 8 and state is not None:
+            state.draining = r[0] < 0.3
+            state.healthy = r[1] > 0.1
+        elif op == 9:
+            sched.mark_ready(pool, rid)
+        elif op == 10:
+            sched.remove_engine(pool, rid)
+            sched.add_engine(pool, rid, 16, 300 + int(r[0] * 200))
+
+    placements = []
+    for _ in range(3000):
+        op, pool = rng.randrange(12), rng.choice(pools)
+        rid, r = rng.choice(ids[pool]), [rng.random(), rng.random()]
+        if op == 11:
+            prompt = list(range(rng.randrange(1, 3000)))
+            max_tokens = rng.randrange(1, 600)
+            got = cached.route(prompt, max_tokens)
+            assert got == _without_caches(uncached).route(prompt, max_tokens)
+            placements.append(got)
+            for sched in (cached, uncached):
+                if isinstance(got, Placement):
+                    sched.reserve(got)
+                    sched.remember_prefix(got.prefill or got.decode, prompt)
+            continue
+        for sched in (cached, uncached):
+            change(sched, op, pool, rid, r)
+    # The sequence exercised the choice: placements landed on most engines.
+    assert len(placements) > 200
+    assert len({p.decode for p in placements if isinstance(p, Placement)}) >= 3
