@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import random
 import socket
 import subprocess
 import sys
@@ -15,9 +16,19 @@ import httpx
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port in 20000-29999: below the kernel's ephemeral range and above Ray's worker
+    ports, so a Ray instance starting meanwhile (GCS, raylet, agents all bind ephemeral ports)
+    cannot take it before the server binds it, which on a GPU host is a minute later."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 30000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free port in 20000-29999")
 
 
 @dataclass

@@ -56,14 +56,14 @@ from pdserve.kv.transport.grpc import HANDSHAKE_TIMEOUT_S, GrpcSink, GrpcSource,
 
 logger = logging.getLogger(__name__)
 
-# Staging: a ring of 4 buffers of 32 MiB per pair and side. Measured NCCL send/recv between two
-# H100s over NVLink: 20 GB/s at 1 MiB messages, 282 GB/s at 16 MiB, 348 GB/s at 128 MiB, 372 GB/s
-# at 1 GiB. One Llama-8B block of one layer is 64 KiB, so sending slices one by one would crawl.
-# Two 128 MiB buffers (the first design) left a 2048-token pull (256 MiB) unpipelined: its first
-# gather and last scatter, 128 MiB each, ran alone. 32 MiB batches keep messages in NCCL's fast
-# range while the fill and drain shrink 4x; four buffers keep three gathers ahead of the send.
-# benchmarks/transfer_bench.py sweeps both (`--batch-mib`, `--buffers`).
-DEFAULT_STAGING_BYTES = 32 << 20
+# Staging: a ring of 4 buffers of 64 MiB per pair and side (the same 256 MiB as the first
+# design's 2 x 128 MiB). Measured NCCL send/recv between two H100s over NVLink: 20 GB/s at 1 MiB
+# messages, 282 GB/s at 16 MiB, 348 GB/s at 128 MiB, 372 GB/s at 1 GiB; one Llama-8B block of one
+# layer is 64 KiB, so sending slices one by one would crawl. Swept on 4 x H100 in one run
+# (benchmarks/transfer_sweep.py; benchmarks/results/gpu/2026-11-26-x4/): a 256 MiB pull took
+# 1.61 ms with 2 x 128 MiB, 1.60 with 4 x 32, 1.46 with 4 x 64 (best), 2.74-3.00 with 16 MiB
+# batches (the host falls behind the wire); NCCL channel and chunk-size settings did not help.
+DEFAULT_STAGING_BYTES = 64 << 20
 DEFAULT_STAGING_BUFFERS = 4
 # What a source that predates the setting uses (its settings lack "staging_buffers").
 LEGACY_STAGING_BUFFERS = 2
@@ -122,7 +122,10 @@ def make_pair_group(
     options._timeout = timeout + datetime.timedelta(seconds=30)
     if min_channels:
         try:
-            options.config.min_ctas = min_channels  # NCCL caps it at its MAXCHANNELS
+            # NCCL refuses a minimum without a maximum ("Invalid config min/max channels
+            # attribute value 32/-2147483648", seen on H100): give both.
+            options.config.min_ctas = min_channels
+            options.config.max_ctas = MAX_NCCL_CHANNELS
         except AttributeError:  # torch built against an NCCL without ncclConfig_t CTAs
             logger.warning("this torch cannot set NCCL channels per communicator; using defaults")
     return dist.ProcessGroupNCCL(store, rank, 2, options)
