@@ -33,7 +33,6 @@ breaks the pair on that end; the next pull sets up a fresh pair.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import logging
@@ -42,8 +41,8 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import msgpack
 import torch
@@ -53,89 +52,15 @@ from pdserve.kv.proto import kv_transfer_pb2 as pb
 from pdserve.kv.transport import blocks, control, gpu_copy
 from pdserve.kv.transport.base import BlockRegion, KVLayoutSpec, KVTransfer, KVTransportError
 from pdserve.kv.transport.grpc import HANDSHAKE_TIMEOUT_S, GrpcSink, GrpcSource, SourceSession
+from pdserve.kv.transport.nccl_pair import (
+    DEFAULT_PAIR_TIMEOUT_S, DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, MAX_NCCL_CHANNELS,
+    MAX_STAGING_BUFFERS, Pair, Watchdog, backend_for, decode_settings, local_ip_towards, on_stream,
+)
 
 logger = logging.getLogger(__name__)
 
-# Staging: a ring of 4 buffers of 64 MiB per pair and side (the same 256 MiB as the first
-# design's 2 x 128 MiB). Measured NCCL send/recv between two H100s over NVLink: 20 GB/s at 1 MiB
-# messages, 282 GB/s at 16 MiB, 348 GB/s at 128 MiB, 372 GB/s at 1 GiB; one Llama-8B block of one
-# layer is 64 KiB, so sending slices one by one would crawl. Swept on 4 x H100 in one run
-# (benchmarks/transfer_sweep.py; benchmarks/results/gpu/2026-11-26-x4/): a 256 MiB pull took
-# 1.61 ms with 2 x 128 MiB, 1.60 with 4 x 32, 1.46 with 4 x 64 (best), 2.74-3.00 with 16 MiB
-# batches (the host falls behind the wire); NCCL channel and chunk-size settings did not help.
-DEFAULT_STAGING_BYTES = 64 << 20
-DEFAULT_STAGING_BUFFERS = 4
-# What a source that predates the setting uses (its settings lack "staging_buffers").
-LEGACY_STAGING_BUFFERS = 2
-# Rendezvous and per-pull timeout of a pair. A receive waits this long for a dead peer
-# before failing the pull; keep it well above the longest pull (~1 s for 256 MiB on gloo).
-DEFAULT_PAIR_TIMEOUT_S = 30.0
-# How often the watchdog looks for pulls past their deadline; a timeout fires this much late.
-WATCHDOG_PERIOD_S = 0.5
-# The pair settings the source sends in SetupCommunicator.params (msgpack), with their types.
-_SETTINGS_KEYS: dict[str, type | tuple[type, ...]] = {
-    "timeout_s": (int, float),
-    "staging_bytes": int,
-    "control_port": int,
-    "control_key": bytes,
-}
-# Later settings, absent from older sources' params: (type, value when absent). Older sinks
-# ignore them; the batch plan depends on staging_bytes only, so either side may differ in ring
-# depth without losing step (send i still meets receive i).
-_OPTIONAL_SETTINGS: dict[str, tuple[type, object]] = {
-    "staging_buffers": (int, LEGACY_STAGING_BUFFERS),
-    "nccl_min_channels": (int, 0),  # 0: NCCL's own choice
-}
-# Staging ring depth and NCCL channels a source may ask for.
-MAX_STAGING_BUFFERS = 16
-MAX_NCCL_CHANNELS = 64
 # Pull phases kept when tracing (benchmarks); old ones fall off.
 _TRACE_LEN = 4096
-
-
-def backend_for(regions: Sequence[BlockRegion]) -> tuple[str, torch.device]:
-    """("nccl", cuda device) or ("gloo", cpu) from where the regions live; all must share it."""
-    devices = {r.tensor.device for r in regions}
-    if len(devices) != 1:
-        raise ValueError(f"all KV regions must live on one device, got {sorted(map(str, devices))}")
-    device = devices.pop()
-    return ("nccl" if device.type == "cuda" else "gloo"), device
-
-
-def make_pair_group(
-    store: dist.Store, rank: int, backend: str, host: str, timeout_s: float, min_channels: int = 0
-) -> dist.ProcessGroup:
-    """A 2-rank group over `store`; blocks until the peer joins (gloo) or the first op (NCCL).
-    `min_channels` > 0 asks NCCL for at least that many channels (CTAs) on this pair's
-    communicators only (ncclConfig_t.minCTAs; no environment, no GPU setting changes).
-
-    Called once per pair on each end, on a pair or pull thread.
-    """
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        return dist.ProcessGroupGloo(store, rank, 2, options)
-    options = dist.ProcessGroupNCCL.Options()
-    # Past our own watchdog's deadline, so a stuck pull is aborted by it, not by torch's.
-    options._timeout = timeout + datetime.timedelta(seconds=30)
-    if min_channels:
-        try:
-            # NCCL refuses a minimum without a maximum ("Invalid config min/max channels
-            # attribute value 32/-2147483648", seen on H100): give both.
-            options.config.min_ctas = min_channels
-            options.config.max_ctas = MAX_NCCL_CHANNELS
-        except AttributeError:  # torch built against an NCCL without ncclConfig_t CTAs
-            logger.warning("this torch cannot set NCCL channels per communicator; using defaults")
-    return dist.ProcessGroupNCCL(store, rank, 2, options)
-
-
-def local_ip_towards(host: str) -> str:
-    """The local address that routes to `host` (a UDP connect sends no packet)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))
-        return probe.getsockname()[0]
 
 
 def plan(
@@ -157,108 +82,6 @@ def _pull_plan(
     if run_shape is None:
         return batches, None
     return batches, gpu_copy.batch_spans(*run_shape, num_blocks, batches)
-
-
-@dataclass(slots=True)
-class _Pair:
-    """One end of a pair: its communicator, control connection, staging ring and stream."""
-
-    pair_id: str
-    backend: str
-    device: torch.device
-    timeout_s: float
-    staging_bytes: int
-    store: dist.Store
-    staging_buffers: int = DEFAULT_STAGING_BUFFERS
-    min_channels: int = 0  # NCCL channels asked for (0: NCCL's choice)
-    group: dist.ProcessGroup | None = None
-    control: socket.socket | None = None
-    staging: tuple[torch.Tensor, ...] = ()
-    stream: torch.cuda.Stream | None = None
-    deadline: float | None = None  # of the pull in flight; the watchdog aborts past it
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    # The views of this end's regions that the pair's pulls move (head slices when the peers'
-    # TP sizes differ: heads.peer_regions), and their run table.
-    regions: tuple[BlockRegion, ...] = ()
-    runs: gpu_copy.RunTable | None = None
-
-    def join(self, rank: int, host: str) -> None:
-        """Builds the group, staging and stream; pair thread (source) or pull thread (sink), once."""
-        self.group = make_pair_group(
-            dist.PrefixStore(self.pair_id, self.store),
-            rank,
-            self.backend,
-            host,
-            self.timeout_s,
-            self.min_channels,
-        )
-        # Allocated on the device's current stream; used only on the pair's own stream.
-        self.staging = tuple(
-            torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.device)
-            for _ in range(self.staging_buffers)
-        )
-        if self.device.type == "cuda":
-            self.stream = torch.cuda.Stream(self.device)
-
-    def live_group(self) -> dist.ProcessGroup:
-        """The group, or KVTransportError once the pair was aborted."""
-        group = self.group
-        if group is None:
-            raise KVTransportError(f"KV pair {self.pair_id} was closed or timed out")
-        return group
-
-    def finish_stream(self) -> None:
-        """Waits, GIL released, until everything queued on the pair's stream has run (CUDA); a
-        no-op on gloo, whose ops already waited. Raises if the pair was aborted meanwhile."""
-        if self.stream is not None:
-            event = torch.cuda.Event()
-            event.record(self.stream)
-            event.synchronize()
-        self.live_group()
-
-    def abort(self) -> None:
-        """Tears the group and control connection down so pending and later ops fail; any
-        thread (close, watchdog, the pair's own threads); only the first call matters."""
-        group, self.group = self.group, None
-        conn, self.control = self.control, None
-        if conn is not None:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-            conn.close()
-        if group is not None:
-            try:
-                group.abort()
-            except Exception:
-                logger.debug("abort of KV pair %s failed", self.pair_id, exc_info=True)
-
-
-class _Watchdog:
-    """One thread per endpoint that aborts pairs whose pull outlived its deadline.
-
-    NCCL operations never time out on the host side by themselves (the pull thread waits on a
-    CUDA event), so a dead or stuck peer is caught here. Lifecycle: start in the endpoint's
-    constructor, `stop` in its close.
-    """
-
-    def __init__(self, pairs: dict, lock: threading.Lock, period_s: float = WATCHDOG_PERIOD_S):
-        self._pairs, self._lock, self._period_s = pairs, lock, period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-nccl-watchdog", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._period_s):
-            now = time.monotonic()
-            with self._lock:
-                entries = list(self._pairs.values())
-            for entry in entries:
-                pair = entry[0] if isinstance(entry, tuple) else entry
-                if pair.deadline is not None and now > pair.deadline:
-                    logger.warning("KV pair %s: pull exceeded %.0f s, aborting", pair.pair_id, pair.timeout_s)
-                    pair.abort()
 
 
 class NcclSource(GrpcSource):
@@ -294,11 +117,11 @@ class NcclSource(GrpcSource):
         self.nccl_min_channels = nccl_min_channels
         self.pair_timeout_s = pair_timeout_s
         self._runs = gpu_copy.RunTable.build(regions)  # one-launch gathers on CUDA, else None
-        self._pairs: dict[str, tuple[_Pair, socket.socket]] = {}
+        self._pairs: dict[str, tuple[Pair, socket.socket]] = {}
         self._pairs_lock = threading.Lock()
         self._closing = False
         super().__init__(layout, regions, **grpc_options)
-        self._watchdog = _Watchdog(self._pairs, self._pairs_lock)
+        self._watchdog = Watchdog(self._pairs, self._pairs_lock)
 
     def serve_setup_communicator(
         self, pair_id: str, backend: str, regions: Sequence[BlockRegion]
@@ -311,7 +134,7 @@ class NcclSource(GrpcSource):
             )
         timeout = datetime.timedelta(seconds=self.pair_timeout_s)
         store = dist.TCPStore(self.host, 0, 2, True, timeout, wait_for_workers=False)
-        pair = _Pair(
+        pair = Pair(
             pair_id,
             self.backend,
             self.device,
@@ -356,7 +179,7 @@ class NcclSource(GrpcSource):
                 listener.close()
                 pair.abort()
 
-    def _serve_pair(self, pair: _Pair, listener: socket.socket, key: bytes) -> None:
+    def _serve_pair(self, pair: Pair, listener: socket.socket, key: bytes) -> None:
         try:
             pair.join(rank=0, host=self.host)
             pair.control = control.accept(listener, key, pair.timeout_s)
@@ -376,7 +199,7 @@ class NcclSource(GrpcSource):
             listener.close()
             pair.abort()
 
-    def _serve_pull(self, pair: _Pair, conn: socket.socket, header: control.PullHeader) -> None:
+    def _serve_pull(self, pair: Pair, conn: socket.socket, header: control.PullHeader) -> None:
         """Pair thread, once per pull: answers, then sends the blocks (stale bytes if refused)."""
         try:
             self.open_read(header.request_id, header.block_ids)
@@ -392,13 +215,13 @@ class NcclSource(GrpcSource):
         finally:
             self.close_read(header.request_id, release=sent and header.release_after)
 
-    def _send(self, pair: _Pair, block_ids: list[int], *, gather: bool) -> None:
+    def _send(self, pair: Pair, block_ids: list[int], *, gather: bool) -> None:
         """Gathers and sends the pull's batches round the staging ring; returns once the last
         send is done (so the blocks may be freed and staging reused)."""
         pair.deadline = time.monotonic() + pair.timeout_s
         ring = len(pair.staging)
         pending: list = [None] * ring
-        with _on_stream(pair):
+        with on_stream(pair):
             batches, copy = _batch_copier(
                 pair.runs,
                 pair.regions,
@@ -450,12 +273,12 @@ class NcclSink(GrpcSink):
         self, layout: KVLayoutSpec, regions: Sequence[BlockRegion], *, trace: bool = False, **grpc_options
     ):
         self.backend, self.device = backend_for(regions)
-        self._pairs: dict[str, _Pair] = {}
+        self._pairs: dict[str, Pair] = {}
         self._pair_locks: dict[str, threading.Lock] = {}
         self.traces: deque[PullTrace] | None = deque(maxlen=_TRACE_LEN) if trace else None
         self._runs = gpu_copy.RunTable.build(regions)  # one-launch scatters on CUDA, else None
         super().__init__(layout, regions, **grpc_options)
-        self._watchdog = _Watchdog(self._pairs, self._lock)
+        self._watchdog = Watchdog(self._pairs, self._lock)
 
     def close(self) -> None:
         """Closes like GrpcSink, then aborts every pair."""
@@ -490,7 +313,7 @@ class NcclSink(GrpcSink):
             raise KVTransportError(f"refused by {address}: {refusal}")
 
     def _receive_batches(
-        self, pair: _Pair, transfer: KVTransfer, dst: list[int], trace: PullTrace | None
+        self, pair: Pair, transfer: KVTransfer, dst: list[int], trace: PullTrace | None
     ) -> None:
         """Posts a receive per staging buffer, then per batch: scatter it, and post the receive
         that reuses its buffer. On CUDA all of it is queued before the one wait."""
@@ -504,7 +327,7 @@ class NcclSink(GrpcSink):
             staging = pair.staging[i % ring][: blocks.batch_nbytes(batches[i])]
             pending[i] = pair.live_group().recv([staging], 0, _tag(i))
 
-        with _on_stream(pair):
+        with on_stream(pair):
             if timing:
                 timing[0].record()
             batches, copy = _batch_copier(
@@ -544,12 +367,12 @@ class NcclSink(GrpcSink):
             setattr(trace, phase, transfer.elapsed_s)
 
     @staticmethod
-    def _gpu_timing(pair: _Pair, trace: PullTrace | None) -> tuple[torch.cuda.Event, ...] | None:
+    def _gpu_timing(pair: Pair, trace: PullTrace | None) -> tuple[torch.cuda.Event, ...] | None:
         if trace is None or pair.stream is None:
             return None
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def _pair(self, session: SourceSession) -> _Pair:
+    def _pair(self, session: SourceSession) -> Pair:
         address = session.info.address
         with self._lock:
             if address in self._pairs:
@@ -564,17 +387,17 @@ class NcclSink(GrpcSink):
                 self._pairs[address] = pair
             return pair
 
-    def _setup_pair(self, session: SourceSession) -> _Pair:
+    def _setup_pair(self, session: SourceSession) -> Pair:
         pair_id = f"{self.engine_id}-{secrets.token_hex(8)}"
         request = pb.SetupCommunicatorRequest(pair_id=pair_id, backend=self.backend)
         response = session.stub.SetupCommunicator(
             request, timeout=HANDSHAKE_TIMEOUT_S, metadata=session.metadata
         )
-        settings = _decode_settings(response.params)
+        settings = decode_settings(response.params)
         host, _, port = response.store_address.rpartition(":")
         timeout = datetime.timedelta(seconds=settings["timeout_s"])
         store = dist.TCPStore(host, int(port), 2, False, timeout)
-        pair = _Pair(
+        pair = Pair(
             pair_id,
             self.backend,
             self.device,
@@ -596,34 +419,11 @@ class NcclSink(GrpcSink):
             raise
         return pair
 
-    def _drop_pair(self, address: str, pair: _Pair) -> None:
+    def _drop_pair(self, address: str, pair: Pair) -> None:
         with self._lock:
             if self._pairs.get(address) is pair:
                 del self._pairs[address]
         pair.abort()
-
-
-def _decode_settings(params: bytes) -> dict[str, float | int | bytes]:
-    """Pair settings from the network: msgpack of plain values only, checked before use."""
-    settings = msgpack.unpackb(params, raw=False, strict_map_key=True)
-    if not isinstance(settings, dict):
-        raise KVTransportError("malformed pair settings from the KV source")
-    for key, (kind, absent) in _OPTIONAL_SETTINGS.items():
-        settings.setdefault(key, absent)
-    kinds = {**_SETTINGS_KEYS, **{key: kind for key, (kind, _) in _OPTIONAL_SETTINGS.items()}}
-    for key, kind in kinds.items():
-        if not isinstance(settings.get(key), kind) or isinstance(settings.get(key), bool):
-            raise KVTransportError(f"malformed pair setting {key!r} from the KV source")
-    if (
-        not 0 < settings["staging_bytes"] <= 1 << 32
-        or not 2 <= settings["staging_buffers"] <= MAX_STAGING_BUFFERS
-        or not 0 <= settings["nccl_min_channels"] <= MAX_NCCL_CHANNELS
-        or not 0 < settings["timeout_s"] <= 3600
-        or not 0 < settings["control_port"] < 65536
-        or len(settings["control_key"]) != 32
-    ):
-        raise KVTransportError("pair settings from the KV source out of range")
-    return settings
 
 
 def _tag(batch: int) -> int:
@@ -636,7 +436,7 @@ def _batch_copier(
     runs: gpu_copy.RunTable | None,
     regions: Sequence[BlockRegion],
     region_nbytes: Sequence[int],
-    pair: _Pair,
+    pair: Pair,
     block_ids: list[int],
     *,
     to_staging: bool,
@@ -664,13 +464,3 @@ def _batch_copier(
 
     return batches, copy
 
-
-@contextlib.contextmanager
-def _on_stream(pair: _Pair) -> Iterator[None]:
-    """Runs a CUDA pair's block copies and ops on its own stream; no-op on CPU."""
-    if pair.stream is None:
-        yield
-        return
-    torch.cuda.set_device(pair.device)
-    with torch.cuda.stream(pair.stream):
-        yield

@@ -7,7 +7,8 @@ import pytest
 from kv_helpers import LAYOUT, TOKEN, WAIT_S, assert_blocks_equal, kv_regions
 
 from pdserve.kv.transport.base import KVTransportError, TransferState
-from pdserve.kv.transport.nccl import NcclSink, NcclSource, _decode_settings, plan
+from pdserve.kv.transport.nccl import NcclSink, NcclSource, plan
+from pdserve.kv.transport.nccl_pair import decode_settings
 
 pytestmark = pytest.mark.unit
 
@@ -80,7 +81,7 @@ def settings(**changes):
 
 
 def test_pair_settings_of_an_older_source_mean_two_buffers():
-    decoded = _decode_settings(settings())
+    decoded = decode_settings(settings())
     assert decoded["staging_buffers"] == 2 and decoded["nccl_min_channels"] == 0
 
 
@@ -88,4 +89,4 @@ def test_pair_settings_of_an_older_source_mean_two_buffers():
                                  {"staging_buffers": "4"}, {"nccl_min_channels": True}])  # fmt: skip
 def test_pair_settings_out_of_range_are_refused(bad):
     with pytest.raises(KVTransportError):
-        _decode_settings(settings(**bad))
+        decode_settings(settings(**bad))
