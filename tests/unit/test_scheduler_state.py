@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.scheduler.perf_model import LineFit, OnlineFit, PerfModel, fit_line
+from pdserve.scheduler.perf_model import LineFit, OnlineFit, PerfModel, fit_line, fit_line_robust
 from pdserve.scheduler.prefix import PrefixIndex, block_hashes
 from pdserve.scheduler.routing import Placement, SloTargets
 from pdserve.scheduler.scheduler import GlobalScheduler
@@ -212,3 +212,16 @@ def test_cached_loads_and_models_route_exactly_as_uncached(pools):
     # The sequence exercised the choice: placements landed on most engines.
     assert len(placements) > 200
     assert len({p.decode for p in placements if isinstance(p, Placement)}) >= 3
+
+
+def test_the_calibration_decode_line_is_not_dragged_by_one_noisy_batch_size():
+    clean = [(1, 6.0), (8, 6.7), (32, 9.1), (64, 12.3), (128, 18.7)]  # 5.9 + 0.1 ms/seq
+    noisy = [(1, 6.0), (8, 12.7), (32, 9.1), (64, 12.3), (128, 18.7)]  # batch 8 timed badly
+    assert fit_line_robust(clean) == pytest.approx(fit_line(clean), abs=0.05)
+    intercept, slope = fit_line_robust(noisy)
+    assert intercept == pytest.approx(5.9, abs=0.15) and slope == pytest.approx(0.1, abs=0.005)
+    assert fit_line(noisy)[0] > 7  # least squares is lifted by the outlier
+    model = PerfModel.from_calibration({"prefill_tokens_per_s": 10_000,
+                                        "tpot_ms_by_batch": {str(b): ms for b, ms in noisy}})
+    assert model.decode_step_s == pytest.approx(intercept / 1000)
+    assert fit_line_robust([(1, 2.0), (3, 4.0)]) == pytest.approx(fit_line([(1, 2.0), (3, 4.0)]))
