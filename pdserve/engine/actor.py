@@ -2,14 +2,19 @@
 
 Lifecycle: the driver creates the actor (cheap), then awaits `start()`, which builds the engine
 off the actor's event loop (a vLLM engine takes 20-75 s to start) and returns its `EngineInfo`.
-Requests stream through `generate()` (a Ray streaming generator, one `GenerateDelta` per item);
-`abort()` ends a request early; `stats()` is polled by the frontend; `shutdown()` runs last.
+Requests go in through `submit()`, which returns once the request runs; their deltas come back
+multiplexed on ONE long-lived Ray stream per actor, `outputs()`, each item a list of every delta
+(or `GenerateFailure`) ready since the previous item. One stream per engine instead of one per
+request: at thousands of tokens/s a Ray object per token per request saturated the frontend's
+event loop (benchmarks/frontend_stream.py). `abort()` ends a request early; `stats()` is polled
+by the frontend; `shutdown()` runs last.
 The engine class is chosen from the config (`engine.kind`), so tests inject the mock engine
 without touching serving code.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -18,7 +23,11 @@ from dataclasses import dataclass
 
 from pdserve.config.schema import PdserveConfig
 from pdserve.engine.protocol import Engine
-from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
+from pdserve.engine.types import (
+    EngineInfo, EngineStats, GenerateDelta, GenerateFailure, GenerateRequest,
+)
+
+EngineOutput = GenerateDelta | GenerateFailure
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +62,8 @@ class EngineActor:
         self._spec = spec
         self._engine: Engine = build_engine(spec)
         self._info: EngineInfo | None = None
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._outputs: asyncio.Queue[EngineOutput | None] | None = None
 
     async def start(self) -> EngineInfo:
         """Build the engine; called once by the driver, may take minutes."""
@@ -62,18 +73,74 @@ class EngineActor:
             self._info = dataclasses.replace(info, pid=os.getpid(), node_ip=_node_ip())
         return self._info
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        """Stream one request's deltas; call with `.options(num_returns="streaming")`."""
-        async for delta in self._engine.generate(request):
-            yield delta
+    async def submit(self, request: GenerateRequest) -> None:
+        """Start one request; its deltas appear on `outputs()`. Returns once it runs."""
+        task = asyncio.get_running_loop().create_task(self._run(request))
+        self._running[request.request_id] = task
+
+    async def outputs(self) -> AsyncIterator[list[EngineOutput]]:
+        """Every request's deltas, in order per request, batched: waits for one, then takes all
+        that are queued. Call with `.options(num_returns="streaming")`; the frontend keeps one
+        open per actor. A newer call takes over: the older stream ends, and outputs not yet
+        taken go to the newer one."""
+        queue: asyncio.Queue[EngineOutput | None] = asyncio.Queue()
+        if self._outputs is not None:
+            while not self._outputs.empty():
+                if (item := self._outputs.get_nowait()) is not None:
+                    queue.put_nowait(item)
+            self._outputs.put_nowait(None)  # ends the older stream
+        self._outputs = queue
+        while (item := await queue.get()) is not None:
+            batch = [item]
+            while not queue.empty() and (item := queue.get_nowait()) is not None:
+                batch.append(item)
+            yield batch
+            if item is None:
+                return
+
+    async def _run(self, request: GenerateRequest) -> None:
+        rid = request.request_id
+        failure: GenerateFailure | None = GenerateFailure(rid)
+        try:
+            async for delta in self._engine.generate(request):
+                self._emit(delta)
+                if delta.finished:
+                    failure = None
+                    return
+        except asyncio.CancelledError:
+            failure = None  # aborted by `abort()`: nobody listens any more
+            raise
+        except Exception as e:  # noqa: BLE001 - fails this request alone
+            logger.exception("request %s failed in engine %s", rid, self._spec.replica_id)
+            failure = GenerateFailure(rid, repr(e))
+        finally:
+            self._running.pop(rid, None)
+            if failure is not None:
+                self._emit(failure)
+
+    def _emit(self, output: EngineOutput) -> None:
+        if self._outputs is None:
+            self._outputs = asyncio.Queue()  # held until the frontend opens `outputs()`
+        self._outputs.put_nowait(output)
 
     async def abort(self, request_id: str) -> None:
+        """End a request early and release its KV; its remaining deltas are dropped."""
         await self._engine.abort(request_id)
+        task = self._running.get(request_id)
+        if task is not None:
+            # Also covers an abort that overtook the request's start in the engine: closing
+            # an engine's stream aborts the request there (the `Engine` contract).
+            task.cancel()
 
     async def stats(self) -> EngineStats:
         return self._engine.stats()
 
     async def shutdown(self) -> None:
+        for task in list(self._running.values()):
+            task.cancel()
+        await asyncio.gather(*self._running.values(), return_exceptions=True)
+        if self._outputs is not None:
+            self._outputs.put_nowait(None)
         await self._engine.shutdown()
 
     async def ping(self) -> str:

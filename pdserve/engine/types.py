@@ -81,3 +81,13 @@ class EngineInfo:
     pid: int = 0  # the actor's process, for operators (and failure-injection tests)
     node_ip: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateFailure:
+    """A request's engine stream ended without a finished delta: the engine raised `error`, or
+    (error "") its stream just stopped. Travels on the actor's output stream in place of the
+    request's last delta; the frontend fails that request alone."""
+
+    request_id: str
+    error: str = ""

@@ -3,9 +3,10 @@
 Lifecycle: `RayBackend.launch(config, model)` creates one `EngineActor` per replica of every
 active pool (placement from the pool's Ray resources), awaits their `start()` in parallel, and
 returns a backend ready to serve. Each request is routed by the pure policy in
-`pdserve.scheduler.routing`, streamed from its engine through a Ray streaming generator, and
-aborted in the engine if its consumer stops early. In disaggregated mode each request runs as a
-prefill leg and a decode leg (`disaggregated.py`) on engines of the two pools. `shutdown()` stops every engine, each in its
+`pdserve.scheduler.routing`, submitted to its engine, streamed back through the engine's one
+multiplexed output stream (`engine_outputs.py`), and aborted in the engine if its consumer stops
+early. In disaggregated mode each request runs as a prefill leg and a decode leg
+(`disaggregated.py`) on engines of the two pools. `shutdown()` stops every engine, each in its
 own try block, and kills the actors.
 """
 
@@ -28,7 +29,9 @@ from pdserve.autoscaler.controller import Autoscaler, scaling_policy_from_config
 from pdserve.autoscaler.policy import PoolBounds, ScalingDecision
 from pdserve.config.schema import PdserveConfig, PoolRole, ServingMode
 from pdserve.engine.actor import EngineActor, EngineSpec
-from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
+from pdserve.engine.types import (
+    EngineInfo, EngineStats, GenerateDelta, GenerateFailure, GenerateRequest,
+)
 from pdserve.errors import (
     EngineRequestError, EngineStartError, EngineUnavailableError, OverloadedError,
 )
@@ -37,6 +40,7 @@ from pdserve.scheduler.perf_model import PerfModel
 from pdserve.scheduler.routing import Placement, Rejection, RoutingPolicy, SloTargets
 from pdserve.scheduler.scheduler import GlobalScheduler
 from pdserve.serving.disaggregated import generate_disaggregated
+from pdserve.serving.engine_outputs import EngineOutputs, StreamLost
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,10 @@ class Replica:
     stats: EngineStats | None = None
     healthy: bool = True
     draining: bool = False
+    outputs: EngineOutputs = field(init=False)  # the actor's deltas, routed per request
+
+    def __post_init__(self) -> None:
+        self.outputs = EngineOutputs(self.replica_id, self.actor)
 
 
 @dataclass(slots=True)
@@ -251,6 +259,7 @@ class RayBackend:
         kind: "full" (prefill + decode on this engine), "prefill" (first token only),
         "decode" (a decode leg whose KV is pulled from a prefill engine).
         """
+        replica.outputs.open(request.request_id)  # before submitting: no delta goes unrouted
         sched, pool = self.scheduler, replica.pool.value
         ticket = None
         decoding = False
@@ -266,9 +275,9 @@ class RayBackend:
         replica.in_flight += 1
         finished = False
         try:
-            stream = replica.actor.generate.options(num_returns="streaming").remote(request)
-            async for ref in stream:
-                delta: GenerateDelta = await ref
+            await replica.actor.submit.remote(request)
+            while True:
+                delta = _delta_or_raise(replica, await replica.outputs.next(request.request_id))
                 now = time.monotonic()
                 if ticket is not None and not ticket.done:
                     sched.first_token(ticket, now)
@@ -286,7 +295,6 @@ class RayBackend:
                 yield delta
                 if finished:
                     return
-            raise EngineRequestError(f"engine {replica.replica_id} ended a stream unfinished")
         except RayActorError as e:
             replica.healthy = False
             sched.update_engine(pool, replica.replica_id, healthy=False)
@@ -294,6 +302,7 @@ class RayBackend:
         except RayTaskError as e:
             raise EngineRequestError(f"engine {replica.replica_id} failed: {e.cause!r}") from e
         finally:
+            replica.outputs.close(request.request_id)
             replica.in_flight -= 1
             if ticket is not None:
                 sched.first_token(ticket, time.monotonic(), observe=False)
@@ -599,6 +608,21 @@ async def _fetch_stats(replica: Replica) -> EngineStats:
     return await asyncio.wait_for(replica.actor.stats.remote(), _STATS_TIMEOUT_S)
 
 
+def _delta_or_raise(replica: Replica, output: GenerateDelta | GenerateFailure | StreamLost,
+                    ) -> GenerateDelta:
+    """A request's next output from its engine as a delta; anything else raises."""
+    if isinstance(output, GenerateDelta):
+        return output
+    if isinstance(output, GenerateFailure):
+        if output.error:
+            raise EngineRequestError(f"engine {replica.replica_id} failed: {output.error}")
+        raise EngineRequestError(f"engine {replica.replica_id} ended a stream unfinished")
+    if isinstance(output.error, (RayActorError, RayTaskError)):
+        raise output.error  # mapped (and a dead actor marked unhealthy) by `_stream`
+    raise EngineRequestError(f"lost the output stream of engine {replica.replica_id}: "
+                             f"{output.error!r}")
+
+
 def _abort_quietly(replica: Replica, request_id: str) -> None:
     try:
         replica.actor.abort.remote(request_id)  # fire and forget: the stream is already gone
@@ -616,3 +640,7 @@ async def _kill_all(replicas: list[Replica]) -> None:
             ray.kill(replica.actor)
         except Exception as e:  # noqa: BLE001
             logger.warning("could not kill engine actor %s: %r", replica.replica_id, e)
+        try:
+            await replica.outputs.aclose()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("output stream of %s did not close: %r", replica.replica_id, e)

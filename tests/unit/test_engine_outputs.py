@@ -1,0 +1,201 @@
+"""One multiplexed output stream per engine actor (`EngineActor.outputs` + `EngineOutputs`),
+driven in process: the actor class with the mock engine, its stream handed over as Ray would."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from pdserve.config.schema import PdserveConfig
+from pdserve.engine.actor import EngineActor, EngineSpec
+from pdserve.engine.types import GenerateDelta, GenerateFailure, GenerateRequest, SamplingOptions
+from pdserve.serving.engine_outputs import EngineOutputs, StreamLost
+
+pytestmark = pytest.mark.unit
+
+
+async def _resolved(value):
+    return value
+
+
+class InProcessHandle:
+    """Stands in for the actor's Ray handle: `outputs.options(...).remote()` gives an async
+    iterator of awaitables, like Ray's `ObjectRefGenerator`; `fail()` breaks it as a dying
+    actor would."""
+
+    def __init__(self, actor: EngineActor) -> None:
+        self.actor = actor
+        self.outputs = self
+        self.opened = 0
+        self._broken = asyncio.Event()
+
+    def options(self, **_: object) -> InProcessHandle:
+        return self
+
+    def remote(self) -> AsyncIterator:
+        self.opened += 1
+        return self._stream()
+
+    def fail(self) -> None:
+        self._broken.set()
+
+    async def _stream(self) -> AsyncIterator:
+        batches = self.actor.outputs()
+        broken = asyncio.ensure_future(self._broken.wait())
+        batch = None
+        try:
+            while True:
+                batch = asyncio.ensure_future(batches.__anext__())
+                await asyncio.wait([batch, broken], return_when=asyncio.FIRST_COMPLETED)
+                if broken.done():
+                    batch.cancel()
+                    await asyncio.gather(batch, return_exceptions=True)
+                    raise ConnectionResetError("actor died")
+                if isinstance(batch.exception(), StopAsyncIteration):
+                    return  # the actor closed its outputs (shutdown)
+                yield _resolved(batch.result())
+        finally:
+            broken.cancel()
+            if batch is not None:
+                batch.cancel()
+                await asyncio.gather(batch, return_exceptions=True)
+
+
+def request(rid: str, max_tokens: int = 20, prompt: tuple[int, ...] = (1, 2, 3)) -> GenerateRequest:
+    return GenerateRequest(rid, prompt, SamplingOptions(max_tokens=max_tokens, temperature=0))
+
+
+def engine_actor(decode_step_s: float = 0.001) -> EngineActor:
+    config = PdserveConfig.model_validate(
+        {"engine": {"kind": "mock", "mock": {"decode_step_s": decode_step_s}}})
+    return EngineActor(EngineSpec("colocated-0", "colocated", "m", "m", config))
+
+
+@pytest.fixture
+async def served():
+    actor = engine_actor()
+    await actor.start()
+    handle = InProcessHandle(actor)
+    outputs = EngineOutputs("colocated-0", handle)
+    yield actor, handle, outputs
+    await outputs.aclose()
+    await actor.shutdown()
+
+
+async def run(actor: EngineActor, outputs: EngineOutputs, req: GenerateRequest) -> list:
+    """One request as `RayBackend._stream` runs it: register, submit, read until the end."""
+    outputs.open(req.request_id)
+    try:
+        await actor.submit(req)
+        received = []
+        while True:
+            output = await outputs.next(req.request_id)
+            received.append(output)
+            if not isinstance(output, GenerateDelta) or output.finished:
+                return received
+    finally:
+        outputs.close(req.request_id)
+
+
+async def test_interleaved_requests_each_get_their_own_deltas_in_order(served):
+    actor, handle, outputs = served
+    requests = [request(f"r{i}", 5 + 7 * i, prompt=(i, 9)) for i in range(8)]
+    results = await asyncio.gather(*(run(actor, outputs, r) for r in requests))
+    reference = engine_actor()
+    await reference.start()
+    for req, deltas in zip(requests, results, strict=True):
+        assert all(d.request_id == req.request_id for d in deltas)
+        assert [d.num_output_tokens for d in deltas] == list(range(1, req.sampling.max_tokens + 1))
+        assert deltas[-1].finish_reason == "length"
+        # The same tokens as the request alone on an engine (the mock is deterministic).
+        alone = [d async for d in reference._engine.generate(req)]
+        assert [d.token_ids for d in deltas] == [d.token_ids for d in alone]
+    await reference.shutdown()
+    assert handle.opened == 1  # one stream served every request
+
+
+async def test_batches_carry_every_delta_ready_since_the_previous_one():
+    actor = engine_actor(decode_step_s=0.005)
+    await actor.start()
+    for i in range(10):
+        await actor.submit(request(f"r{i}", max_tokens=3))
+    while actor._running:
+        await asyncio.sleep(0.01)
+    stream = actor.outputs()
+    # Everything produced while nobody read comes as one batch, in order per request.
+    batch = await stream.__anext__()
+    assert len(batch) == 30
+    for i in range(10):
+        mine = [d.num_output_tokens for d in batch if d.request_id == f"r{i}"]
+        assert mine == [1, 2, 3]
+    await stream.aclose()
+    await actor.shutdown()
+
+
+async def test_an_abort_ends_that_request_only(served):
+    actor, _, outputs = served
+    long = [asyncio.create_task(run(actor, outputs, request(f"keep{i}", 60))) for i in range(3)]
+    outputs.open("gone")
+    await actor.submit(request("gone", 1000))
+    assert isinstance(await outputs.next("gone"), GenerateDelta)
+    outputs.close("gone")  # the client went away
+    await actor.abort("gone")
+    kept = await asyncio.wait_for(asyncio.gather(*long), 10)
+    assert [[d.num_output_tokens for d in k] for k in kept] == [list(range(1, 61))] * 3
+    stats = await actor.stats()
+    assert stats.num_aborted_total == 1 and stats.num_running == 0
+    assert "gone" not in actor._running
+
+
+async def test_a_lost_stream_fails_every_open_request_at_once(served):
+    actor, handle, outputs = served
+    tasks = [asyncio.create_task(run(actor, outputs, request(f"r{i}", 10_000))) for i in range(4)]
+    while len(actor._running) < 4:
+        await asyncio.sleep(0.01)
+    handle.fail()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 2)
+    assert all(isinstance(r[-1], StreamLost) for r in results)
+    assert all(isinstance(r[-1].error, ConnectionResetError) for r in results)
+    assert outputs.open_requests == 0
+
+
+async def test_after_a_lost_stream_the_next_request_opens_a_new_one(served):
+    actor, handle, outputs = served
+    await run(actor, outputs, request("before", 2))
+    handle.fail()
+    await asyncio.sleep(0.05)
+    handle._broken = asyncio.Event()  # the actor is reachable again
+    deltas = await asyncio.wait_for(run(actor, outputs, request("after", 3)), 5)
+    assert [d.num_output_tokens for d in deltas] == [1, 2, 3]
+    assert handle.opened == 2
+
+
+async def test_an_engine_error_fails_only_that_request(served):
+    actor, _, outputs = served
+    engine_generate = actor._engine.generate
+
+    async def generate(req: GenerateRequest):
+        if req.request_id == "bad":
+            raise RuntimeError("engine broke on this request")
+        async for delta in engine_generate(req):
+            yield delta
+
+    actor._engine.generate = generate
+    bad, good = await asyncio.gather(run(actor, outputs, request("bad")),
+                                     run(actor, outputs, request("good", 5)))
+    assert len(bad) == 1 and isinstance(bad[0], GenerateFailure)
+    assert "engine broke" in bad[0].error
+    assert [d.num_output_tokens for d in good] == [1, 2, 3, 4, 5]
+
+
+async def test_a_stream_that_ends_unfinished_is_reported(served):
+    actor, _, outputs = served
+
+    async def generate(req: GenerateRequest):
+        yield GenerateDelta(req.request_id, "x", (1,), 3, 1)  # then stops, unfinished
+
+    actor._engine.generate = generate
+    received = await run(actor, outputs, request("cut"))
+    assert isinstance(received[-1], GenerateFailure) and received[-1].error == ""
