@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ from pdserve.engine.types import (
 )
 
 EngineOutput = GenerateDelta | GenerateFailure
+# Early aborts remembered (ids of requests that finished before their abort land here too).
+_ABORTED_EARLY_KEPT = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,9 @@ class EngineActor:
         self._info: EngineInfo | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
         self._outputs: asyncio.Queue[EngineOutput | None] | None = None
+        # Aborts that arrived before their request's submit (an async actor may run a caller's
+        # calls out of order): the late submit is dropped instead of running unobserved.
+        self._aborted_early: OrderedDict[str, None] = OrderedDict()
 
     async def start(self) -> EngineInfo:
         """Build the engine; called once by the driver, may take minutes."""
@@ -75,6 +81,9 @@ class EngineActor:
 
     async def submit(self, request: GenerateRequest) -> None:
         """Start one request; its deltas appear on `outputs()`. Returns once it runs."""
+        if request.request_id in self._aborted_early:
+            del self._aborted_early[request.request_id]
+            return  # aborted before it arrived: nobody listens for it
         task = asyncio.get_running_loop().create_task(self._run(request))
         self._running[request.request_id] = task
 
@@ -131,6 +140,10 @@ class EngineActor:
             # Also covers an abort that overtook the request's start in the engine: closing
             # an engine's stream aborts the request there (the `Engine` contract).
             task.cancel()
+        else:
+            self._aborted_early[request_id] = None
+            while len(self._aborted_early) > _ABORTED_EARLY_KEPT:
+                self._aborted_early.popitem(last=False)
 
     async def stats(self) -> EngineStats:
         return self._engine.stats()

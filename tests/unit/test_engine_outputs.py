@@ -199,3 +199,18 @@ async def test_a_stream_that_ends_unfinished_is_reported(served):
     actor._engine.generate = generate
     received = await run(actor, outputs, request("cut"))
     assert isinstance(received[-1], GenerateFailure) and received[-1].error == ""
+
+
+async def test_an_abort_that_overtakes_its_submit_keeps_the_request_from_running():
+    # An async actor may run one caller's calls out of order: abort can land before submit.
+    actor = engine_actor(decode_step_s=0.005)
+    await actor.start()
+    await actor.abort("late")
+    await actor.submit(request("late", max_tokens=50))
+    assert "late" not in actor._running
+    await actor.submit(request("other", max_tokens=2))  # others still run
+    while actor._running:
+        await asyncio.sleep(0.01)
+    batch = await actor.outputs().__anext__()
+    assert {d.request_id for d in batch} == {"other"}
+    await actor.shutdown()
