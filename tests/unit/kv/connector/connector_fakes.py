@@ -9,6 +9,7 @@ bytes between two tensors without a network.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,3 +125,19 @@ def kv_caches(num_blocks: int, *, layers: int = 3, seed: int = 0) -> dict[str, t
     generator = torch.Generator().manual_seed(seed)
     buffer = torch.randn(layers, num_blocks, 2, BLOCK, 8, generator=generator)
     return {f"model.layers.{i}.self_attn.attn": buffer[i] for i in range(layers)}
+
+
+# How long a test engine steps before a wait for a connector event fails.
+WAIT_S = 10.0
+
+
+class Stepping:
+    """`step_until` for the tests' engine stand-ins, which define `step()`."""
+
+    def step_until(self, predicate, what: str) -> None:
+        """Steps every 5 ms until `predicate()`; fails naming `what` after WAIT_S."""
+        deadline = time.monotonic() + WAIT_S
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            self.step()
+            time.sleep(0.005)

@@ -4,12 +4,11 @@ decode rank ends with its KV heads; both engines report the request exactly once
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 import torch
-from connector_fakes import BLOCK, FakeRequest, FakeTransports, Status, config
+from connector_fakes import BLOCK, FakeRequest, FakeTransports, Status, Stepping, config
 
 from pdserve.kv.connector.compat import KVHeads, ScheduledRequest, heads_axis
 from pdserve.kv.connector.scheduler import SchedulerSide
@@ -21,10 +20,9 @@ NUM_BLOCKS = 16
 TOTAL_HEADS = 2
 HEAD_SIZE = 4
 LAYERS = 2
-WAIT_S = 10.0
 
 
-class TPEngine:
+class TPEngine(Stepping):
     """One engine: its scheduler side and one worker side per TP rank (vLLM 0.32-shaped caches:
     [blocks, kv_heads, block_size, 2*head_size] per layer)."""
 
@@ -62,13 +60,6 @@ class TPEngine:
             self.received[rank] += sorted(recving)
             self.load_errors |= worker.take_load_errors()
 
-    def step_until(self, predicate, what: str) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not predicate():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            self.step()
-            time.sleep(0.005)
-
     def heads_of_block(self, block: int) -> torch.Tensor:
         """Every layer's block `block` with all ranks' heads side by side: [layers, heads, ...]."""
         return torch.stack(
@@ -84,19 +75,25 @@ def transports() -> Iterator[FakeTransports]:
         endpoint.close()
 
 
-def run_request(p: TPEngine, d: TPEngine, prompt: int = 300) -> tuple[dict, list[int]]:
+def hand_off(p: TPEngine, d: TPEngine, prompt: int) -> tuple[bool, dict, list[int]]:
+    """Prefills `prompt` tokens on p and admits its decode on d: (keep, params, decode blocks)."""
     request = FakeRequest("p-1", prompt, {"do_remote_decode": True})
     n = -(-prompt // BLOCK)
     p.scheduler.update_state_after_alloc(request, list(range(n)), 0)
     p.step([ScheduledRequest("p-1", tuple(range(n)), True, 0, prompt)], prompt)
     request.num_computed_tokens, request.status = prompt, Status.FINISHED_LENGTH_CAPPED
     keep, params = p.scheduler.request_finished(request, list(range(n + 1)))
-    assert keep and params is not None
     p.step()  # confirm
     decode = FakeRequest("d-1", prompt + 1, params)
     count, _ = d.scheduler.get_num_new_matched_tokens(decode, 0)
     dst = list(range(8, 8 + n))
     d.scheduler.update_state_after_alloc(decode, dst, count)
+    return keep, params, dst
+
+
+def run_request(p: TPEngine, d: TPEngine, prompt: int = 300) -> tuple[dict, list[int]]:
+    keep, params, dst = hand_off(p, d, prompt)
+    assert keep and params is not None
     d.step_until(lambda: all(d.received), "every decode rank's pull")
     p.step_until(lambda: all(p.sent), "every prefill rank's release")
     return params, dst
@@ -134,17 +131,7 @@ def test_a_failed_part_fails_the_request_with_every_destination_block(transports
 
 
 def run_request_expecting_failure(p: TPEngine, d: TPEngine, prompt: int = 300) -> tuple[dict, list[int]]:
-    request = FakeRequest("p-1", prompt, {"do_remote_decode": True})
-    n = -(-prompt // BLOCK)
-    p.scheduler.update_state_after_alloc(request, list(range(n)), 0)
-    p.step([ScheduledRequest("p-1", tuple(range(n)), True, 0, prompt)], prompt)
-    request.num_computed_tokens, request.status = prompt, Status.FINISHED_LENGTH_CAPPED
-    _, params = p.scheduler.request_finished(request, list(range(n + 1)))
-    p.step()
-    decode = FakeRequest("d-1", prompt + 1, params)
-    count, _ = d.scheduler.get_num_new_matched_tokens(decode, 0)
-    dst = list(range(8, 8 + n))
-    d.scheduler.update_state_after_alloc(decode, dst, count)
+    _, params, dst = hand_off(p, d, prompt)
     d.step_until(lambda: all(d.received), "the failed pull")
     p.step_until(lambda: p.sent[0], "prefill rank 0's release after the failure")
     return params, dst

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from connector_fakes import BLOCK, FakeRequest, FakeTransports, Status, config, kv_caches
+from connector_fakes import BLOCK, WAIT_S, FakeRequest, FakeTransports, Status, Stepping, config, kv_caches
 
 from pdserve.kv.connector import worker as worker_module
 from pdserve.kv.connector.compat import ScheduledRequest
@@ -19,10 +19,9 @@ from pdserve.kv.connector.worker import WorkerSide
 pytestmark = pytest.mark.unit
 
 NUM_BLOCKS = 16
-WAIT_S = 10.0
 
 
-class Engine:
+class Engine(Stepping):
     """One engine's two connector sides (scheduler + one worker) over shared fake transports."""
 
     def __init__(self, role: str, transports: FakeTransports, *, seed: int, **extra: object):
@@ -52,13 +51,6 @@ class Engine:
         self.received += sorted(recving)
         self.load_errors |= self.worker.take_load_errors()
         return plan
-
-    def step_until(self, predicate, what: str) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not predicate():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            self.step()
-            time.sleep(0.005)
 
     def block(self, block_id: int) -> torch.Tensor:
         return torch.stack([t[block_id] for t in self.caches.values()])
