@@ -46,15 +46,14 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.autoscaler.controller import Autoscaler
 from pdserve.autoscaler.policy import ScalingDecision
 from pdserve.bench.metrics import SLOTargets
 from pdserve.scheduler.routing import Rejection
 from pdserve.scheduler.scheduler import COLOCATED, DECODE, PREFILL, GlobalScheduler
-from pdserve.sim.baselines import TtftOnlyAutoscaler
 from pdserve.sim.fluid_group import EngineGroup
 from pdserve.sim.histogram import OutcomeTally
-from pdserve.sim.runner import PoolSample, SimConfig
+from pdserve.sim.results import config_section
+from pdserve.sim.runner import PoolSample, SimConfig, build_autoscaler
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +101,7 @@ class FluidRun:
         cfg = self.config
         body["simulation"] = {
             "mode": "fluid",
-            "topology": cfg.topology.name,
-            "pools_initial": dict(cfg.topology.pools),
-            "bounds": ({p: [b.min_replicas, b.max_replicas] for p, b in cfg.topology.bounds.items()}
-                       if cfg.topology.bounds else None),
-            "profile": cfg.profile.name,
-            "slo_targets_s": ({"ttft": cfg.slo.ttft_s, "tpot": cfg.slo.tpot_s,
-                               "percentile": cfg.slo.percentile} if cfg.slo else None),
+            **config_section(cfg),
             "fluid": {"step_s": self.fluid.step_s, "max_groups": self.fluid.max_groups,
                       "cohort_per_engine": self.fluid.cohort_per_engine,
                       "steps": self.steps, "route_calls": self.route_calls,
@@ -150,15 +143,7 @@ class FluidSimulation:
                                       window_s=config.window_s, prefix_aware=False)
         self.census = GlobalScheduler(pools, perf, config.slo, config.routing,
                                       window_s=config.window_s, prefix_aware=False)
-        self.autoscaler: Autoscaler | TtftOnlyAutoscaler | None = None
-        if config.topology.bounds:
-            if config.slo is None:
-                raise ValueError("an autoscaled topology needs SLO targets")
-            if config.autoscaler == "ttft_only":
-                self.autoscaler = TtftOnlyAutoscaler(config.topology.bounds, config.slo.ttft_s)
-            else:
-                self.autoscaler = Autoscaler(config.topology.bounds, config.slo.ttft_s,
-                                             config.slo.tpot_s, config.scaling)
+        self.autoscaler = build_autoscaler(config)
         self.tally = OutcomeTally(goodput)
         self.groups: dict[str, dict[str, EngineGroup]] = {p: {} for p in pools}
         self._all_groups: list[EngineGroup] = []

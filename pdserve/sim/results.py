@@ -27,7 +27,7 @@ from pdserve.bench.report import result_json
 from pdserve.bench.runner import BenchmarkResult, RunConfig
 from pdserve.bench.workloads import BenchRequest
 from pdserve.sim.engine import SimRequest
-from pdserve.sim.runner import SimRun
+from pdserve.sim.runner import SimConfig, SimRun
 
 
 def request_outcome(req: SimRequest, response_s: float) -> RequestOutcome:
@@ -129,9 +129,8 @@ class LatencyRecorder:
         return out
 
 
-def simulation_section(run: SimRun) -> dict[str, Any]:
-    cfg = run.config
-    n = len(run.workload)
+def config_section(cfg: SimConfig) -> dict[str, Any]:
+    """What was simulated: topology, bounds, profile, SLO (both simulators' `simulation`)."""
     return {
         "topology": cfg.topology.name,
         "pools_initial": dict(cfg.topology.pools),
@@ -140,6 +139,14 @@ def simulation_section(run: SimRun) -> dict[str, Any]:
         "profile": cfg.profile.name,
         "slo_targets_s": ({"ttft": cfg.slo.ttft_s, "tpot": cfg.slo.tpot_s,
                            "percentile": cfg.slo.percentile} if cfg.slo else None),
+    }
+
+
+def simulation_section(run: SimRun) -> dict[str, Any]:
+    cfg = run.config
+    n = len(run.workload)
+    return {
+        **config_section(cfg),
         "simulated_s": run.end_s,
         "gpu_hours": run.gpu_hours(),
         "gpu_hours_by_pool": run.gpu_hours_by_pool(),

@@ -139,15 +139,7 @@ class Simulation:
         perf = config.profile.perf
         self.sched = GlobalScheduler(list(config.topology.pools), perf, config.slo,
                                      config.routing, window_s=config.window_s, prefix_aware=False)
-        self.autoscaler: Autoscaler | TtftOnlyAutoscaler | None = None
-        if config.topology.bounds:
-            if config.slo is None:
-                raise ValueError("an autoscaled topology needs SLO targets")
-            if config.autoscaler == "ttft_only":
-                self.autoscaler = TtftOnlyAutoscaler(config.topology.bounds, config.slo.ttft_s)
-            else:
-                self.autoscaler = Autoscaler(config.topology.bounds, config.slo.ttft_s,
-                                             config.slo.tpot_s, config.scaling)
+        self.autoscaler = build_autoscaler(config)
         self._engines: dict[str, dict[str, SimEngine]] = {p: {} for p in config.topology.pools}
         self._all_engines: list[SimEngine] = []
         self._next_index = {p: 0 for p in config.topology.pools}
@@ -333,6 +325,18 @@ class Simulation:
         return SimRun(self.config, workload, self.requests, self._all_engines, self.decisions,
                       self.samples, end, time.perf_counter() - started, self.queue.processed,
                       dict(self.rejected))
+
+
+def build_autoscaler(config: SimConfig) -> Autoscaler | TtftOnlyAutoscaler | None:
+    """The run's autoscaler (production or the TTFT-only baseline), None for a static topology;
+    shared by the per-request and the fluid simulators."""
+    if not config.topology.bounds:
+        return None
+    if config.slo is None:
+        raise ValueError("an autoscaled topology needs SLO targets")
+    if config.autoscaler == "ttft_only":
+        return TtftOnlyAutoscaler(config.topology.bounds, config.slo.ttft_s)
+    return Autoscaler(config.topology.bounds, config.slo.ttft_s, config.slo.tpot_s, config.scaling)
 
 
 def simulate(config: SimConfig, workload: Workload) -> SimRun:

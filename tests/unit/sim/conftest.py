@@ -1,6 +1,11 @@
 import numpy as np
 import pytest
 
+import pdserve.autoscaler.controller as controller
+import pdserve.autoscaler.policy as policy
+import pdserve.scheduler.routing as routing
+import pdserve.scheduler.scheduler as scheduler
+
 from pdserve.scheduler.perf_model import PerfModel
 from pdserve.sim.engine_profile import EngineProfile
 from pdserve.sim.workload import Workload
@@ -22,3 +27,21 @@ def workload(*rows):
     """rows of (arrival, prompt, output)."""
     a, p, o = zip(*rows)
     return Workload(np.array(a, float), np.array(p, np.int64), np.array(o, np.int64), "hand")
+
+
+@pytest.fixture
+def production_calls(monkeypatch):
+    """Counts of calls to the production `place`, `place_colocated` and `decide`, reached the
+    way the simulators reach them: through the scheduler and the controller modules."""
+    calls = {"place": 0, "place_colocated": 0, "decide": 0}
+
+    def spy(name, real):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(scheduler, "place", spy("place", routing.place))
+    monkeypatch.setattr(scheduler, "place_colocated", spy("place_colocated", routing.place_colocated))
+    monkeypatch.setattr(controller, "decide", spy("decide", policy.decide))
+    return calls

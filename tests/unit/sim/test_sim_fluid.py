@@ -1,10 +1,7 @@
 import numpy as np
 import pytest
 
-import pdserve.autoscaler.controller as controller
 import pdserve.autoscaler.policy as policy
-import pdserve.scheduler.routing as routing
-import pdserve.scheduler.scheduler as scheduler
 from conftest import workload
 from pdserve.autoscaler.policy import PoolBounds, ScalingPolicy
 from pdserve.bench.metrics import SLOTargets
@@ -35,18 +32,8 @@ def test_a_lone_request_has_the_per_request_simulators_timeline(profile):
     assert body["median_tpot_ms"] == pytest.approx(11, rel=0.05)
 
 
-def test_fluid_mode_calls_the_production_routing_and_scaling_functions(profile, monkeypatch):
-    calls = {"place": 0, "place_colocated": 0, "decide": 0}
-
-    def spy(name, real):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return real(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(scheduler, "place", spy("place", routing.place))
-    monkeypatch.setattr(scheduler, "place_colocated", spy("place_colocated", routing.place_colocated))
-    monkeypatch.setattr(controller, "decide", spy("decide", policy.decide))
+def test_fluid_mode_calls_the_production_routing_and_scaling_functions(profile, production_calls):
+    calls = production_calls
     wl = at_rate("random", 50, 10.0, input_len=100, output_len=10)
     bounds = PoolBounds(1, 3)
     fluid(SimConfig(profile, Topology.disaggregated(1, 1, bounds, bounds),

@@ -62,22 +62,15 @@ def test_same_seed_same_result_other_seed_other_result(profile):
     assert once(7) != once(8)
 
 
-def test_the_simulator_calls_the_production_routing_and_scaling_functions(profile, monkeypatch):
+def test_the_scheduler_and_controller_use_the_very_routing_and_policy_functions():
     # The scheduler module uses the very functions of routing.py (not copies) ...
     assert scheduler.place is routing.place and scheduler.place_colocated is routing.place_colocated
     assert controller.decide is policy.decide
-    calls = {"place": 0, "place_colocated": 0, "decide": 0}
 
-    def spy(name, real):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return real(*args, **kwargs)
-        return wrapper
 
+def test_the_simulator_calls_the_production_routing_and_scaling_functions(profile, production_calls):
     # ... and the simulator reaches them through the scheduler and the controller.
-    monkeypatch.setattr(scheduler, "place", spy("place", routing.place))
-    monkeypatch.setattr(scheduler, "place_colocated", spy("place_colocated", routing.place_colocated))
-    monkeypatch.setattr(controller, "decide", spy("decide", policy.decide))
+    calls = production_calls
     wl = at_rate("random", 50, 10.0, input_len=100, output_len=10)
     bounds = PoolBounds(1, 3)
     simulate(SimConfig(profile, Topology.disaggregated(1, 1, bounds, bounds),
