@@ -225,7 +225,7 @@ class NcclSource(GrpcSource):
             batches, copy = _batch_copier(
                 pair.runs,
                 pair.regions,
-                [r.info().block_nbytes for r in pair.regions],
+                pair.region_nbytes,
                 pair,
                 block_ids,
                 to_staging=True,
@@ -317,7 +317,7 @@ class NcclSink(GrpcSink):
     ) -> None:
         """Posts a receive per staging buffer, then per batch: scatter it, and post the receive
         that reuses its buffer. On CUDA all of it is queued before the one wait."""
-        region_nbytes = [r.info().block_nbytes for r in pair.regions]
+        region_nbytes = pair.region_nbytes
         ring = len(pair.staging)
         pending: dict[int, object] = {}
         timing = self._gpu_timing(pair, trace)

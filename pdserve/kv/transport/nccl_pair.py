@@ -129,6 +129,10 @@ class Pair:
     # TP sizes differ: heads.peer_regions), and their run table.
     regions: tuple[BlockRegion, ...] = ()
     runs: gpu_copy.RunTable | None = None
+    region_nbytes: tuple[int, ...] = field(init=False)  # of one block per region, for plans
+
+    def __post_init__(self) -> None:
+        self.region_nbytes = tuple(r.info().block_nbytes for r in self.regions)
 
     def join(self, rank: int, host: str) -> None:
         """Builds the group, staging and stream; pair thread (source) or pull thread (sink), once."""
