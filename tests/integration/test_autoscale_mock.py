@@ -18,7 +18,9 @@ pytestmark = pytest.mark.integration
 TTFT_S, TPOT_S = 1.5, 0.3
 # Mock timings: 1000-token prompts take 200 ms to prefill (5 req/s per prefill engine);
 # decode steps take 30 ms + 0.5 ms per running request, 10x inside the TPOT target (a loaded
-# 2-core machine adds its own delays to every token).
+# 2-core machine adds its own delays to every token). Conditional disaggregation is off
+# (local_prefill_max_tokens=0): with it, the decode engine prefills part of the burst itself,
+# the prefill pool's load sits near the scale-up threshold and whether it grows is chance.
 SERVE_ARGS = [
     "--engine", "mock", "--served-model-name", "tiny", "--mode", "disaggregated",
     "--prefill", "1", "--decode", "1", "--autoscale", "--ttft-ms", "1500", "--tpot-ms", "300",
@@ -29,7 +31,7 @@ SERVE_ARGS = [
     "--set", "autoscale.interval_s=1", "--set", "autoscale.upscale_intervals=2",
     "--set", "autoscale.downscale_intervals=3", "--set", "autoscale.upscale_cooldown_s=5",
     "--set", "autoscale.downscale_cooldown_s=5", "--set", "scheduler.window_s=5",
-    "--set", "scheduler.admit_ttft_factor=30",
+    "--set", "scheduler.admit_ttft_factor=30", "--set", "scheduler.local_prefill_max_tokens=0",
 ]
 
 
