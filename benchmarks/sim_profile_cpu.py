@@ -5,14 +5,18 @@
     .venv/bin/python benchmarks/sim_profile_cpu.py --arm disaggregated --out benchmarks/results/sim/cpu-profile \
         --bench-rates 0.5 1 2
 
-With --bench-rates, the same service is then measured with benchmarks/cpu_compare.py's exact
-workload (random 256 in / 32 out, 16 prompts, Poisson, 2 warm-ups, seed 0, goodput TTFT 2000 ms
-and TPOT 250 ms) at each rate, so profile and benchmark see the same machine load: the shared
+With --bench-rates, the same service is then measured with benchmarks/cpu_compare.py's
+workload (random 256 in / 32 out, Poisson, 2 warm-ups, seed 0, goodput TTFT 2000 ms and TPOT
+250 ms; --num-prompts per rate, 16 in the comparison) at each rate, so profile and benchmark see the same machine load: the shared
 box's load changes by the minute, and the simulator can only predict the engine it was fed.
 
 The arms start exactly like benchmarks/cpu_compare.py starts them (same flags), so the profile
 describes the engines that the recorded comparison measured. The start time (launch to /health)
 is measured here and stored as the profile's startup_s.
+
+With --step-trace the service writes its engine step traces to OUT/steps
+(`engine.step_trace_dir`) and the profile gains `step_fit`, the step model fitted to them
+(pdserve.engine.step_trace), which the simulator then uses.
 """
 
 from __future__ import annotations
@@ -39,12 +43,13 @@ ARMS = {
 NUM_KV_BLOCKS = 182
 
 
-def bench(base_url: str, model_dir: Path, arm: str, rate: float, out: Path) -> None:
+def bench(base_url: str, model_dir: Path, arm: str, rate: float, out: Path,
+          num_prompts: int = 16) -> None:
     """benchmarks/cpu_compare.py's run_bench, same flags."""
     cmd = [sys.executable, "-m", "pdserve.bench.cli", "serve", "--base-url", base_url,
            "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(model_dir),
            "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "32",
-           "--num-prompts", "16", "--request-rate", str(rate), "--num-warmups", "2", "--seed", "0",
+           "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--num-warmups", "2", "--seed", "0",
            "--goodput", "ttft:2000", "tpot:250", "--save-result", "--result-dir", str(out),
            "--result-filename", f"{arm}-bench-rate{rate:g}.json", "--label", arm,
            "--disable-tqdm"]
@@ -57,13 +62,18 @@ def main() -> int:
     parser.add_argument("--arm", choices=sorted(ARMS), required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--bench-rates", type=float, nargs="*", default=[])
+    parser.add_argument("--num-prompts", type=int, default=16, help="benchmark prompts per rate")
+    parser.add_argument("--step-trace", action="store_true",
+                        help="record engine step traces and fit the profile's step model to them")
     parser.add_argument("--start-timeout-s", type=float, default=1200)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_embedded_model()
     started = time.monotonic()
-    server = start_server(ARMS[args.arm], args.out / f"{args.arm}-serve.log",
-                          args.start_timeout_s)
+    trace_dir = args.out / "steps"
+    flags = [*ARMS[args.arm], *(["--set", f"engine.step_trace_dir={trace_dir}"]
+                                 if args.step_trace else [])]
+    server = start_server(flags, args.out / f"{args.arm}-serve.log", args.start_timeout_s)
     startup = time.monotonic() - started
     try:
         log = (args.out / f"{args.arm}-serve.log").read_text(errors="replace")
@@ -73,10 +83,11 @@ def main() -> int:
                 "--num-kv-blocks", str(NUM_KV_BLOCKS), "--block-size", "128",
                 "--startup-s", f"{startup:.1f}", "--note",
                 f"pdserve serve {' '.join(ARMS[args.arm])} on the 2-core CPU box",
-                "--out", str(args.out / f"{args.arm}.json")]
+                "--out", str(args.out / f"{args.arm}.json"),
+                *(["--step-trace", str(trace_dir)] if args.step_trace else [])]
         code = profile.main(argv)
         for rate in args.bench_rates:
-            bench(server.base_url, model_dir, args.arm, rate, args.out)
+            bench(server.base_url, model_dir, args.arm, rate, args.out, args.num_prompts)
         return code
     finally:
         server.stop()

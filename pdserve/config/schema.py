@@ -108,6 +108,11 @@ class EngineConfig(_Section):
     start_timeout_s: float = Field(
         900.0, gt=0, description="How long an engine may take to start before it counts as failed."
     )
+    step_trace_dir: Path | None = Field(
+        None, description="Write one JSON line per engine step to {dir}/{replica_id}.steps.jsonl "
+        "(pdserve.engine.step_trace; `pdserve sim profile --step-trace` fits the simulator's step "
+        "model to it). On vLLM this turns on its per-iteration details and quiets its stats log.",
+    )
     mock: MockEngineConfig = Field(
         default_factory=MockEngineConfig, description="Used when kind is 'mock'."
     )

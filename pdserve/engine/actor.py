@@ -51,7 +51,9 @@ def build_engine(spec: EngineSpec) -> Engine:
     if spec.config.engine.kind == "mock":
         from pdserve.testing.mock_engine import MockEngine
 
-        return MockEngine(spec.replica_id, spec.pool, spec.served_name, spec.config.engine.mock)
+        engine = spec.config.engine
+        return MockEngine(spec.replica_id, spec.pool, spec.served_name, engine.mock,
+                          step_trace_dir=engine.step_trace_dir)
     from pdserve.engine.vllm_engine import VllmEngine
 
     return VllmEngine(spec)

@@ -5,7 +5,9 @@ environment variables vLLM's CPU backend reads (only in this actor's process), a
 AsyncLLM on a worker thread: its constructor blocks for the whole engine start (20-35 s on CPU,
 ~75 s on GPU) and must not stall the actor's event loop. Requests go in as token ids (the
 frontend tokenized them) and come back as DELTA outputs. vLLM's scheduler stats (running,
-waiting, KV usage) arrive through a stat logger that keeps only the latest values.
+waiting, KV usage) arrive through a stat logger that keeps only the latest values; with
+`engine.step_trace_dir` set, the same logger writes every engine step to a step trace
+(pdserve.engine.step_trace) from vLLM's per-iteration details.
 
 vLLM is imported inside methods so that importing pdserve never requires vLLM.
 """
@@ -15,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.step_trace import Step, StepTraceWriter
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
 
 if TYPE_CHECKING:
@@ -52,7 +56,7 @@ class _LatestSchedulerStats:
         self.kv_seconds = (self.kv_seconds + done)[-4096:]
 
 
-def _stat_logger_factory(sink: _LatestSchedulerStats):
+def _stat_logger_factory(sink: _LatestSchedulerStats, trace: StepTraceWriter | None):
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class _Recorder(StatLoggerBase):
@@ -67,6 +71,13 @@ def _stat_logger_factory(sink: _LatestSchedulerStats):
                 transfers = getattr(scheduler_stats, "kv_connector_stats", None)
                 if isinstance(transfers, dict) and transfers:
                     sink.add_transfers(transfers)
+                details = getattr(scheduler_stats, "iteration_details", None)
+                if trace is not None and details is not None and not details.is_dummy:
+                    trace.record(Step(
+                        t=time.monotonic(), prefill_tokens=details.num_ctx_tokens,
+                        prefill_reqs=details.num_ctx_requests,
+                        decode_reqs=details.num_generation_requests,
+                        busy_s=round(details.elapsed_ms / 1000, 6)))
 
         def log_engine_initialized(self) -> None:
             pass
@@ -83,13 +94,16 @@ class VllmEngine:
             self._scheduler.kv_transport = spec.config.kv.transport
         self._aborted_total = 0
         self._finished_total = 0
+        self._trace: StepTraceWriter | None = None
+        if spec.config.engine.step_trace_dir is not None:
+            self._trace = StepTraceWriter(spec.config.engine.step_trace_dir, spec.replica_id)
 
     async def start(self) -> EngineInfo:
         on_cpu = _on_cpu(self._spec)
         if on_cpu:
             _set_cpu_environment(self._spec)
         model_path = await asyncio.to_thread(_local_model_path, self._spec)
-        args = _engine_args(self._spec, model_path, on_cpu)
+        args = _engine_args(self._spec, model_path, on_cpu, step_details=self._trace is not None)
         self._llm = await asyncio.to_thread(self._build, args)
         vllm_config = self._llm.vllm_config
         return EngineInfo(
@@ -104,7 +118,8 @@ class VllmEngine:
     def _build(self, args: Any) -> Any:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._scheduler)])
+        factory = _stat_logger_factory(self._scheduler, self._trace)
+        return AsyncLLM.from_engine_args(args, stat_loggers=[factory])
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         from vllm.inputs import TokensPrompt
@@ -152,6 +167,8 @@ class VllmEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self._trace is not None:
+            self._trace.close()
 
 
 def _on_cpu(spec: EngineSpec) -> bool:
@@ -183,7 +200,9 @@ def _local_model_path(spec: EngineSpec) -> str:
     return spec.model_path
 
 
-def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool) -> Any:
+def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool, step_details: bool = False) -> Any:
+    import dataclasses
+
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     model, engine = spec.config.model, spec.config.engine
@@ -205,6 +224,13 @@ def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool) -> Any:
     )
     if spec.pool in ("prefill", "decode"):
         kwargs["kv_transfer_config"] = _kv_transfer_config(spec)
+    if step_details:
+        if "enable_logging_iteration_details" not in {f.name for f in dataclasses.fields(AsyncEngineArgs)}:
+            raise ValueError("engine.step_trace_dir needs a vLLM with per-iteration details "
+                             "(AsyncEngineArgs.enable_logging_iteration_details)")
+        kwargs["enable_logging_iteration_details"] = True
+        # vLLM's own stat logger would print every iteration at INFO.
+        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
     kwargs.update(engine.extra_engine_args)
     return AsyncEngineArgs(**kwargs)
 

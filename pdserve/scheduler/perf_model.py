@@ -75,9 +75,13 @@ class PerfModel:
         `tpot_ms_by_batch` (batch -> TPOT; a Theil-Sen line, see `fit_line_robust`),
         `kv_bytes_per_token`, and an
         optional `transfer` section {bytes_per_s, overhead_s} (else the NVLink NCCL numbers of
-        `links_h100_pair` at 128 MiB, else 50 GB/s).
+        `links_h100_pair` at 128 MiB, else 50 GB/s). A `step_fit` section (the step model fitted
+        to an engine's own step trace, pdserve.engine.step_trace) replaces the decode line and,
+        where it has one, the prefill rate: it times the engine's steps rather than the gaps a
+        client sees.
         """
-        rate = _median_rate(data["prefill_tokens_per_s"])
+        step_fit = data.get("step_fit") or {}
+        rate = step_fit.get("prefill_tokens_per_s") or _median_rate(data["prefill_tokens_per_s"])
         overhead = 0.0
         singles = data.get("ttft_single_ms") or {}
         if singles:
@@ -88,6 +92,8 @@ class PerfModel:
         if not points:
             raise ValueError("calibration has no tpot_ms_by_batch")
         intercept, slope = fit_line_robust(points)
+        if step_fit:
+            intercept, slope = step_fit["decode_step_s"], step_fit["decode_step_per_seq_s"]
         transfer = data.get("transfer") or {}
         link = (data.get("links_h100_pair") or {}).get("nccl_sendrecv_GBps") or {}
         bandwidth = transfer.get("bytes_per_s") or (link.get("128MiB", 0) * 1e9) or 50e9

@@ -12,6 +12,11 @@ The profile is the JSON the simulator (and `PerfModel.from_calibration`) reads, 
   the CPU engine the first batch of a new shape was 5-10x slower than later ones);
 - `tpot_ms_by_batch`: batch -> median inter-token latency when B requests decode together (short
   prompts, `--output-len` tokens, ignore_eos): the decode step time at that batch;
+- with `--step-trace DIR` (the service runs with `engine.step_trace_dir=DIR` on this host): a
+  mixed phase of `--mixed-requests` Poisson arrivals of the profile's prompt lengths, then
+  `step_fit`, the step model fitted to the engines' own step traces of this run
+  (pdserve.engine.step_trace). `PerfModel.from_calibration` prefers it to the client-timed
+  lines above: it times engine steps, including steps that prefill while others decode;
 - `kv_bytes_per_token` (from the model's config.json: 2 x layers x KV heads x head dim x dtype
   bytes), `block_size`, `num_kv_blocks`, `startup_s` (what the caller measured, e.g. from
   `pdserve serve`'s "started in" line), and `transfer` {bytes_per_s, overhead_s} from the
@@ -72,7 +77,8 @@ async def _together(client: OpenAIStreamClient, requests: Sequence[BenchRequest]
 
 async def measure(endpoint: EndpointConfig, prompt_lens: Sequence[int], batches: Sequence[int],
                   prefill_batch: int, prefill_len: int, output_len: int, repeats: int,
-                  vocab: int, seed: int = 0) -> dict[str, Any]:
+                  vocab: int, seed: int = 0, mixed_requests: int = 0,
+                  mixed_rate: float = 1.0) -> dict[str, Any]:
     """The timing part of a profile (see the module docstring)."""
     rng = np.random.default_rng(seed)
     raw: dict[str, Any] = {"ttft_s": {}, "prefill_wall_s": None, "itl_s": {}}
@@ -102,8 +108,32 @@ async def measure(endpoint: EndpointConfig, prompt_lens: Sequence[int], batches:
             gaps = [g for o in outcomes for g in o.itls_s[1:]]
             raw["itl_s"][str(batch)] = [round(g, 5) for g in gaps]
             tpot[str(batch)] = round(statistics.median(gaps) * 1000, 2)
+        if mixed_requests:
+            await _mixed(c, rng, prompt_lens, output_len, mixed_requests, mixed_rate, vocab)
     return {"ttft_single_ms": singles, "prefill_tokens_per_s": slope_rate(singles),
             "prefill_batch_tokens_per_s": batch_rate, "tpot_ms_by_batch": tpot, "raw": raw}
+
+
+async def _mixed(client: OpenAIStreamClient, rng: np.random.Generator, prompt_lens: Sequence[int],
+                 output_len: int, count: int, rate: float, vocab: int) -> None:
+    """Poisson arrivals of the profile's prompt lengths: steps that prefill while others decode."""
+    tasks = []
+    for i in range(count):
+        await asyncio.sleep(float(rng.exponential(1 / rate)))
+        prompt = _prompt(rng, prompt_lens[i % len(prompt_lens)], vocab)
+        request = BenchRequest(prompt.prompt, prompt.prompt_len, output_len)
+        tasks.append(asyncio.ensure_future(_together(client, [request])))
+    await asyncio.gather(*tasks)
+
+
+def step_fit(trace_dir: Path, since: float) -> dict[str, Any]:
+    """`step_fit` of the profile: the step model of every trace in `trace_dir` since `since`."""
+    from pdserve.engine.step_trace import fit_steps, read_steps
+
+    traces = read_steps(trace_dir, since)
+    fit = fit_steps(traces.values()).to_json()
+    fit["replicas"] = sorted(traces)
+    return fit
 
 
 def slope_rate(singles_ms: dict[str, float]) -> dict[str, float]:
@@ -153,6 +183,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vocab-size", type=int, default=49152)
+    parser.add_argument("--step-trace", type=Path, help="the service's engine.step_trace_dir (same "
+                        "host): add a mixed phase and fit the step model to the engines' traces")
+    parser.add_argument("--mixed-requests", type=int, default=32, help="requests of the mixed phase")
+    parser.add_argument("--mixed-rate", type=float, default=1.0, help="req/s of the mixed phase")
     parser.add_argument("--note", default="", help="free text stored in the profile (machine, load)")
     parser.add_argument("--out", type=Path, required=True)
     return parser
@@ -165,8 +199,11 @@ def run(args: argparse.Namespace) -> int:
         json.loads((args.model_dir / "config.json").read_text()), args.dtype)
     model = args.model or asyncio.run(fetch_first_model(args.base_url))
     endpoint = EndpointConfig(base_url=args.base_url, model=model, ignore_eos=True, temperature=0.0)
+    since = time.monotonic()
+    mixed = args.mixed_requests if args.step_trace else 0
     timings = asyncio.run(measure(endpoint, args.prompt_lens, args.batches, args.prefill_batch,
-                                  args.prefill_len, args.output_len, args.repeats, args.vocab_size))
+                                  args.prefill_len, args.output_len, args.repeats, args.vocab_size,
+                                  mixed_requests=mixed, mixed_rate=args.mixed_rate))
     profile: dict[str, Any] = {
         "engine": f"endpoint {args.base_url}", "model": model, "note": args.note,
         "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -174,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
         "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
     }
+    if args.step_trace:
+        profile["step_fit"] = step_fit(args.step_trace, since)
     try:
         import httpx
         transfer = transfer_from_metrics(httpx.get(f"{args.base_url}/metrics", timeout=5).text)

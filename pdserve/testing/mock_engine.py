@@ -6,17 +6,22 @@ It implements the same `Engine` protocol as the vLLM adapter, so everything abov
 Latency model: a request's prefill takes `prompt_tokens / prefill_tokens_per_s`; prefills run
 one at a time (an engine step is compute-bound). Each decode step produces one token for every
 running request and takes `decode_step_s + decode_step_per_seq_s * batch`. Output token ids are
-a deterministic function of the prompt, so "greedy" output is reproducible.
+a deterministic function of the prompt, so "greedy" output is reproducible. With a step trace
+directory it writes its decode steps like a real engine (pdserve.engine.step_trace); its
+prefills run beside them, outside the trace.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pdserve.config.schema import MockEngineConfig
+from pdserve.engine.step_trace import Step, StepTraceWriter
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
 
 # Token id the mock treats as end-of-sequence (never produced unless asked for).
@@ -34,7 +39,8 @@ class _Running:
 
 
 class MockEngine:
-    def __init__(self, replica_id: str, pool: str, model: str, settings: MockEngineConfig) -> None:
+    def __init__(self, replica_id: str, pool: str, model: str, settings: MockEngineConfig,
+                 step_trace_dir: Path | None = None) -> None:
         self._replica_id = replica_id
         self._pool = pool
         self._model = model
@@ -47,6 +53,7 @@ class MockEngine:
         self._finished_total = 0
         self._kv_bytes = 0
         self._kv_seconds: list[float] = []
+        self._trace = StepTraceWriter(step_trace_dir, replica_id) if step_trace_dir else None
 
     async def start(self) -> EngineInfo:
         self._decode_task = asyncio.get_running_loop().create_task(self._decode_loop())
@@ -96,6 +103,8 @@ class MockEngine:
         if self._decode_task is not None:
             self._decode_task.cancel()
             await asyncio.gather(self._decode_task, return_exceptions=True)
+        if self._trace is not None:
+            self._trace.close()
 
     async def _prefill(self, state: _Running) -> None:
         async with self._prefill_lock:
@@ -129,6 +138,9 @@ class MockEngine:
             for state in batch:
                 if not state.aborted and state.request.request_id in self._running:
                     self._emit(state)
+            if batch and self._trace is not None:
+                self._trace.record(Step(t=time.monotonic(), prefill_tokens=0, prefill_reqs=0,
+                                        decode_reqs=len(batch), busy_s=step))
 
     def _emit(self, state: _Running) -> None:
         token = self._next_token(state)

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from pdserve.engine.step_trace import fit_steps, read_steps
 from pdserve.testing.server import metric_value, start_server
 
 pytestmark = pytest.mark.integration
@@ -50,10 +51,18 @@ def vllm_reference(embedded_checkpoint, tokenizer, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(vllm_reference, tmp_path_factory):
+def step_trace_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("steps")
+
+
+@pytest.fixture(scope="module")
+def server(vllm_reference, step_trace_dir, tmp_path_factory):
     # vllm_reference first: the two engines never compete for the 2 cores or memory.
     log = tmp_path_factory.mktemp("server") / "pdserve.log"
-    running = start_server(["--model", "embedded", "--mode", "colocated"], log)
+    # The step trace is on for the whole module: the greedy-equality test also shows that
+    # vLLM's per-iteration details change nothing the client sees.
+    running = start_server(["--model", "embedded", "--mode", "colocated",
+                            "--set", f"engine.step_trace_dir={step_trace_dir}"], log)
     yield running
     running.stop()
 
@@ -197,3 +206,22 @@ def test_metrics_are_exported_by_pool(server, client):
     assert metric_value(text, "pdserve_requests_waiting", pool="colocated") is not None
     usage = metric_value(text, "pdserve_kv_cache_usage_ratio", pool="colocated", replica="colocated-0")
     assert usage is not None and 0.0 <= usage <= 1.0
+
+
+def test_the_engine_traces_its_steps(server, client, step_trace_dir):
+    since = time.monotonic()
+
+    def one(i: int) -> None:
+        client.completions.create(model=MODEL, prompt=f"{i} " * 60, max_tokens=12,
+                                  temperature=0, extra_body={"ignore_eos": True})
+
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(one, range(4)))
+    steps = read_steps(step_trace_dir, since)["colocated-0"]
+    # The prompts were prefilled in traced steps, and requests decoded together.
+    assert sum(s.prefill_tokens for s in steps) >= 4 * 50
+    assert max(s.decode_reqs for s in steps) >= 2
+    assert sum(s.decode_reqs for s in steps) >= 4 * 11
+    fit = fit_steps([steps])
+    assert fit.decode_step_s > 0 and fit.steps >= 10

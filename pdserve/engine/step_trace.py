@@ -1,0 +1,138 @@
+"""Engine step traces: one JSON line per engine step, and the step-time model fitted to them.
+
+With `engine.step_trace_dir` set, every engine appends its steps to
+`{dir}/{replica_id}.steps.jsonl`: when the step's outputs reached the engine's process (`t`,
+monotonic seconds, the same clock for every process of a host), the prompt tokens it prefilled
+(`prefill_tokens`, over `prefill_reqs` requests), the requests it decoded (`decode_reqs`), and
+`busy_s`, the engine's own timing of the step where it reports one (vLLM's iteration details).
+
+`fit_steps` turns a trace into the simulator's step model (pdserve.sim.engine_profile):
+
+    step_s = decode_step_s + decode_step_per_seq_s * decode_reqs + prefill_tokens / prefill_tokens_per_s
+
+fitted by least squares to step *periods*: the time between one step's outputs and the next's.
+A period counts only when the engine cannot have idled in between, i.e. the step decoded a
+request that was already running; prefill-only steps after a quiet spell are left out. Unlike
+inter-token gaps timed at the client, this is the engine's own cadence, and mixed steps (decodes
+plus prefill chunks, vLLM's chunked prefill) show what a prompt costs while others decode.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+
+SUFFIX = ".steps.jsonl"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    t: float
+    prefill_tokens: int
+    prefill_reqs: int
+    decode_reqs: int
+    busy_s: float | None = None
+
+
+class StepTraceWriter:
+    """Appends steps to one engine's trace file, a line at a time (readers see every finished
+    step; one write per step is nothing next to a step's cost)."""
+
+    def __init__(self, directory: str | Path, replica_id: str) -> None:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path / f"{replica_id}{SUFFIX}"
+        self._file: IO[str] | None = self.path.open("a", buffering=1)
+
+    def record(self, step: Step) -> None:
+        if self._file is None:
+            return
+        self._file.write(json.dumps(asdict(step), separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_steps(path: str | Path, since: float = 0.0) -> dict[str, list[Step]]:
+    """replica id -> its steps at or after monotonic time `since` (a reader on the engines'
+    host), from one trace file or every trace file of a directory."""
+    path = Path(path)
+    files = sorted(path.glob(f"*{SUFFIX}")) if path.is_dir() else [path]
+    if not files:
+        raise FileNotFoundError(f"no *{SUFFIX} step traces in {path}")
+    traces = {}
+    for file in files:
+        steps = [Step(**json.loads(line)) for line in file.read_text().splitlines() if line.strip()]
+        traces[file.name.removesuffix(SUFFIX)] = [s for s in steps if s.t >= since]
+    return traces
+
+
+@dataclass(frozen=True, slots=True)
+class StepFit:
+    decode_step_s: float
+    decode_step_per_seq_s: float
+    prefill_tokens_per_s: float | None  # None: too few steps with prefill to tell
+    steps: int  # periods the fit used
+    mixed_steps: int  # of which also prefilled
+    residual_p50_s: float  # median |period - fit|
+
+    def to_json(self) -> dict[str, float | int | None]:
+        return asdict(self)
+
+
+def step_periods(steps: Iterable[Step]) -> list[tuple[Step, float]]:
+    """(step, seconds since the previous step's outputs) for steps the engine could not idle
+    before: those that decoded a request already running."""
+    periods = []
+    previous: Step | None = None
+    for step in steps:
+        if previous is not None and step.decode_reqs > 0 and step.t > previous.t:
+            periods.append((step, step.t - previous.t))
+        previous = step
+    return periods
+
+
+def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10,
+              min_mixed_steps: int = 5) -> StepFit:
+    """Least-squares step model over the periods of every trace (see the module docstring).
+
+    One pass drops periods more than 5 median absolute deviations off the first fit (a stalled
+    process, a GC pause), then refits. The prefill rate is fitted only when at least
+    `min_mixed_steps` periods prefilled; otherwise it is None and the step model is decode-only.
+    """
+    rows = [(s.decode_reqs, s.prefill_tokens, p) for trace in traces for s, p in step_periods(trace)]
+    if len(rows) < min_steps:
+        raise ValueError(f"{len(rows)} usable step periods in the trace, need {min_steps}: "
+                         "run some load with several requests decoding at once")
+    data = np.asarray(rows, dtype=float)
+    mixed = int((data[:, 1] > 0).sum())
+    columns = [0, 1] if mixed >= min_mixed_steps else [0]
+    x = np.column_stack([np.ones(len(data)), data[:, columns]])
+    y = data[:, 2]
+    coef = _lstsq(x, y)
+    residual = np.abs(y - x @ coef)
+    mad = float(np.median(residual)) or 1e-9
+    keep = residual <= 5 * mad
+    if keep.sum() >= max(min_steps, x.shape[1] + 1):
+        x, y = x[keep], y[keep]
+        coef = _lstsq(x, y)
+    rate = None
+    if len(columns) == 2 and coef[2] > 0:
+        rate = 1.0 / float(coef[2])
+    return StepFit(
+        decode_step_s=max(float(coef[0]), 0.0), decode_step_per_seq_s=max(float(coef[1]), 0.0),
+        prefill_tokens_per_s=rate, steps=len(y),
+        mixed_steps=int((x[:, 2] > 0).sum()) if len(columns) == 2 else 0,
+        residual_p50_s=float(np.median(np.abs(y - x @ coef))),
+    )
+
+
+def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    return np.linalg.lstsq(x, y, rcond=None)[0]

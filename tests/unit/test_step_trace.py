@@ -1,0 +1,115 @@
+"""Engine step traces: the writer and reader, the mock engine's trace, the step-model fit, and
+the fit taking over the performance model of a profile."""
+
+import asyncio
+import random
+
+import pytest
+
+from pdserve.config.schema import MockEngineConfig
+from pdserve.engine.step_trace import Step, StepTraceWriter, fit_steps, read_steps, step_periods
+from pdserve.engine.types import GenerateRequest, SamplingOptions
+from pdserve.scheduler.perf_model import PerfModel
+from pdserve.testing.mock_engine import MockEngine
+
+pytestmark = pytest.mark.unit
+
+A, B, RATE = 0.030, 0.002, 4000.0  # the engine the synthetic traces come from
+
+
+def synthetic_trace(seed: int = 0, steps: int = 400, outliers: int = 0) -> list[Step]:
+    """An engine that alternates busy runs (decodes, some steps also prefilling) with idle
+    spells that end in a prefill-only step."""
+    rng = random.Random(seed)
+    t, trace = 0.0, []
+    for i in range(steps):
+        if i % 50 == 0:  # idle, then a new prompt alone: no usable period
+            t += rng.uniform(1.0, 5.0)
+            trace.append(Step(t=t, prefill_tokens=300, prefill_reqs=1, decode_reqs=0))
+            continue
+        batch = rng.randint(1, 32)
+        prefill = rng.choice([0, 0, 0, 64, 256, 512])
+        period = A + B * batch + prefill / RATE
+        t += period * rng.uniform(0.97, 1.03)
+        trace.append(Step(t=t, prefill_tokens=prefill, prefill_reqs=int(prefill > 0),
+                          decode_reqs=batch))
+    for k in range(outliers):  # stalls: a period 20x too long
+        s = trace[61 + 40 * k]
+        trace[61 + 40 * k:] = [Step(x.t + 20 * A, x.prefill_tokens, x.prefill_reqs, x.decode_reqs)
+                               for x in trace[61 + 40 * k:]]
+        assert s.decode_reqs > 0
+    return trace
+
+
+def test_the_fit_recovers_the_step_model_and_ignores_idle_spells_and_stalls():
+    fit = fit_steps([synthetic_trace(outliers=3), synthetic_trace(seed=1)])
+    assert fit.decode_step_s == pytest.approx(A, rel=0.05)
+    assert fit.decode_step_per_seq_s == pytest.approx(B, rel=0.05)
+    assert fit.prefill_tokens_per_s == pytest.approx(RATE, rel=0.05)
+    # 2 x (400 steps - 8 prefill-only steps after idle - the first step), less the 3 stalls.
+    assert fit.steps == 2 * (400 - 8) - 3
+    assert 0 < fit.mixed_steps < fit.steps
+
+
+def test_periods_skip_steps_the_engine_may_have_idled_before():
+    trace = [Step(0.0, 100, 1, 0), Step(0.05, 0, 0, 1), Step(9.0, 100, 1, 0), Step(9.2, 50, 1, 1)]
+    assert [(s.t, round(p, 3)) for s, p in step_periods(trace)] == [(0.05, 0.05), (9.2, 0.2)]
+
+
+def test_without_prefilling_steps_the_fit_is_decode_only():
+    trace = [Step(t=0.01 * i * i, prefill_tokens=0, prefill_reqs=0, decode_reqs=i) for i in range(1, 30)]
+    fit = fit_steps([trace])
+    assert fit.prefill_tokens_per_s is None and fit.mixed_steps == 0
+    with pytest.raises(ValueError, match="usable step periods"):
+        fit_steps([trace[:5]])
+
+
+def test_the_writer_appends_lines_that_read_back_by_replica_and_time(tmp_path):
+    writer = StepTraceWriter(tmp_path / "steps", "decode-0")
+    for i in range(3):
+        writer.record(Step(t=float(i), prefill_tokens=i, prefill_reqs=1, decode_reqs=2, busy_s=0.01))
+    # Lines are readable before the writer closes: a profile reads a live engine's trace.
+    assert [s.t for s in read_steps(tmp_path / "steps")["decode-0"]] == [0.0, 1.0, 2.0]
+    writer.close()
+    assert [s.prefill_tokens for s in read_steps(writer.path, since=1.0)["decode-0"]] == [1, 2]
+    with pytest.raises(FileNotFoundError):
+        read_steps(tmp_path)
+
+
+def test_the_mock_engine_traces_one_step_per_decoded_token(tmp_path):
+    async def run() -> None:
+        engine = MockEngine("colocated-0", "colocated", "m",
+                            MockEngineConfig(decode_step_s=0.001, prefill_tokens_per_s=1e6),
+                            step_trace_dir=tmp_path)
+        await engine.start()
+
+        async def one(i: int) -> None:
+            request = GenerateRequest(request_id=f"r{i}", prompt_token_ids=(1, 2, 3 + i),
+                                      sampling=SamplingOptions(max_tokens=6, ignore_eos=True))
+            async for _ in engine.generate(request):
+                pass
+
+        await asyncio.gather(*(one(i) for i in range(4)))
+        await engine.shutdown()
+
+    asyncio.run(run())
+    steps = read_steps(tmp_path)["colocated-0"]
+    # The first token of each request comes from its prefill, the other 5 from decode steps.
+    assert sum(s.decode_reqs for s in steps) == 4 * 5
+    assert all(s.prefill_tokens == 0 and 1 <= s.decode_reqs <= 4 for s in steps)
+
+
+def test_a_step_fit_in_a_profile_replaces_the_client_timed_lines():
+    profile = {"prefill_tokens_per_s": {"ttft_slope": 400.0},
+               "ttft_single_ms": {"32": 300.0, "256": 860.0},
+               "tpot_ms_by_batch": {"1": 100.0, "2": 110.0, "4": 130.0}}
+    plain = PerfModel.from_calibration(profile)
+    fit = {"decode_step_s": 0.07, "decode_step_per_seq_s": 0.004, "prefill_tokens_per_s": 800.0}
+    stepped = PerfModel.from_calibration({**profile, "step_fit": fit})
+    assert (plain.decode_step_s, plain.prefill_tokens_per_s) == (pytest.approx(0.09), 400.0)
+    assert stepped.decode_step_s == 0.07 and stepped.decode_step_per_seq_s == 0.004
+    assert stepped.prefill_tokens_per_s == 800.0
+    # The fixed prefill cost is refitted against the new rate: mean(0.300 - 0.04, 0.860 - 0.32).
+    assert stepped.prefill_overhead_s == pytest.approx(0.40)
+    no_rate = PerfModel.from_calibration({**profile, "step_fit": {**fit, "prefill_tokens_per_s": None}})
+    assert no_rate.prefill_tokens_per_s == 400.0 and no_rate.decode_step_s == 0.07
