@@ -1,93 +1,50 @@
-"""Engine pools of Ray actors, and the backend that routes requests among them.
+"""The backend that routes requests over the engine pools on Ray, and scales the pools.
 
-Lifecycle: `RayBackend.launch(config, model)` creates one `EngineActor` per replica of every
-active pool (placement from the pool's Ray resources), awaits their `start()` in parallel, and
-returns a backend ready to serve. Each request is routed by the pure policy in
-`pdserve.scheduler.routing`, submitted to its engine, streamed back through the engine's one
-multiplexed output stream (`engine_outputs.py`), and aborted in the engine if its consumer stops
-early. In disaggregated mode each request runs as a prefill leg and a decode leg
-(`disaggregated.py`) on engines of the two pools. `shutdown()` stops every engine, each in its
-own try block, and kills the actors.
+Lifecycle: `RayBackend.launch(config, model)` places one `EngineActor` per replica of every
+active pool (`replicas.py`), awaits their `start()` in parallel, and returns a backend ready to
+serve, with the global scheduler built from the config (`scheduling.py`). Each request is routed
+by the pure policy in `pdserve.scheduler.routing`, submitted to its engine, streamed back through
+the engine's one multiplexed output stream (`engine_outputs.py`), and aborted in the engine if its
+consumer stops early. In disaggregated mode each request runs as a prefill leg and a decode leg
+(`disaggregated.py`) on engines of the two pools. With autoscaling on, a background loop asks
+the autoscaler for decisions and starts or drains engines to meet them. `shutdown()` cancels that
+loop and any scaling in progress, then stops every engine, each in its own try block, and kills
+the actors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.api.metrics import ServingMetrics
 from pdserve.autoscaler.controller import Autoscaler, scaling_policy_from_config
 from pdserve.autoscaler.policy import PoolBounds, ScalingDecision
 from pdserve.config.schema import PdserveConfig, PoolRole, ServingMode
-from pdserve.engine.actor import EngineActor, EngineSpec
 from pdserve.engine.types import (
     EngineInfo, EngineStats, GenerateDelta, GenerateFailure, GenerateRequest,
 )
-from pdserve.errors import (
-    EngineRequestError, EngineStartError, EngineUnavailableError, OverloadedError,
-)
+from pdserve.errors import EngineRequestError, EngineUnavailableError, OverloadedError
 from pdserve.models.embedded import ResolvedModel
-from pdserve.scheduler.perf_model import PerfModel
-from pdserve.scheduler.routing import Placement, Rejection, RoutingPolicy, SloTargets
-from pdserve.scheduler.scheduler import GlobalScheduler
+from pdserve.scheduler.routing import Placement, Rejection
 from pdserve.serving.disaggregated import generate_disaggregated
-from pdserve.serving.engine_outputs import EngineOutputs, StreamLost
+from pdserve.serving.engine_outputs import StreamLost
+from pdserve.serving.replicas import (
+    EnginePool, Replica, actor_options, create_pool, create_replica, kill_all, request_resources,
+    start_all, with_cluster_token,
+)
+from pdserve.serving.scheduling import build_scheduler
 
 logger = logging.getLogger(__name__)
 
 # A stats call slower than this means the engine is wedged or gone (a healthy one answers in ms).
 _STATS_TIMEOUT_S = 5.0
-
-
-@dataclass(slots=True)
-class Replica:
-    replica_id: str
-    pool: PoolRole
-    actor: Any  # ray.actor.ActorHandle
-    info: EngineInfo | None = None
-    in_flight: int = 0
-    stats: EngineStats | None = None
-    healthy: bool = True
-    draining: bool = False
-    outputs: EngineOutputs = field(init=False)  # the actor's deltas, routed per request
-
-    def __post_init__(self) -> None:
-        self.outputs = EngineOutputs(self.replica_id, self.actor)
-
-
-@dataclass(slots=True)
-class EnginePool:
-    role: PoolRole
-    replicas: list[Replica] = field(default_factory=list)
-
-
-def actor_options(config: PdserveConfig, role: PoolRole, replica_id: str) -> dict[str, Any]:
-    """Ray placement of one engine actor, from its pool's config."""
-    pool = config.pools.for_role(role)
-    num_gpus = pool.num_gpus
-    if num_gpus is None:
-        on_gpu = config.engine.device == "cuda" or (
-            config.engine.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
-        )
-        num_gpus = config.tensor_parallel_size_of(role) if on_gpu else 0
-    return {
-        "name": replica_id,
-        "namespace": config.ray.namespace,
-        "num_cpus": pool.num_cpus,
-        "num_gpus": num_gpus,
-        "resources": dict(pool.resources),
-        # One actor serves many concurrent streams on its event loop.
-        "max_concurrency": 4096,
-    }
 
 
 class RayBackend:
@@ -130,14 +87,14 @@ class RayBackend:
                      metrics: ServingMetrics | None = None) -> RayBackend:
         config = with_cluster_token(config)
         if config.autoscale.enabled and config.autoscale.request_resources:
-            _request_resources(config, {r: config.pools.for_role(r).replicas
-                                        for r in config.active_roles()})
-        pools = {role: _create_pool(config, model, role) for role in config.active_roles()}
+            request_resources(config, {r: config.pools.for_role(r).replicas
+                                       for r in config.active_roles()})
+        pools = {role: create_pool(config, model, role) for role in config.active_roles()}
         replicas = [r for p in pools.values() for r in p.replicas]
         try:
-            infos = await _start_all(replicas, config.engine.start_timeout_s)
+            infos = await start_all(replicas, config.engine.start_timeout_s)
         except BaseException:
-            await _kill_all(replicas)
+            await kill_all(replicas)
             raise
         for replica, info in zip(replicas, infos, strict=True):
             replica.info = info
@@ -363,7 +320,7 @@ class RayBackend:
         for task in list(self._scaling_tasks):
             task.cancel()
         await asyncio.gather(*self._scaling_tasks, return_exceptions=True)
-        await _kill_all([r for p in self._pools.values() for r in p.replicas])
+        await kill_all([r for p in self._pools.values() for r in p.replicas])
 
     # --- scaling (the actuator) -------------------------------------------------------------
 
@@ -402,7 +359,7 @@ class RayBackend:
             wanted = {r: len([x for x in self._pools[r].replicas if not x.draining])
                       for r in self._pools}
             wanted[role] = target
-            _request_resources(self._config, wanted)
+            request_resources(self._config, wanted)
         for _ in range(target - len(serving)):
             self._spawn(self._add_replica(role))
         if target < len(serving):
@@ -422,22 +379,18 @@ class RayBackend:
     async def _add_replica(self, role: PoolRole) -> None:
         index = self._next_index[role]
         self._next_index[role] += 1
-        replica_id = f"{role.value}-{index}"
-        spec = EngineSpec(replica_id, role.value, self._model.path, self._model.served_name,
-                          self._config.for_pool(role))
-        actor = ray.remote(EngineActor).options(
-            **actor_options(self._config, role, replica_id)).remote(spec)
-        replica = Replica(replica_id, role, actor)
+        replica = create_replica(self._config, self._model, role, index)
+        replica_id = replica.replica_id
         self._pools[role].replicas.append(replica)
         self._register(replica, ready=False)
         self._publish_pool_sizes()
         try:
-            replica.info = (await _start_all([replica], self._config.engine.start_timeout_s))[0]
+            replica.info = (await start_all([replica], self._config.engine.start_timeout_s))[0]
         except BaseException as e:
             logger.error("engine %s did not start: %r", replica_id, e)
             self._pools[role].replicas.remove(replica)
             self.scheduler.remove_engine(role.value, replica_id)
-            await _kill_all([replica])
+            await kill_all([replica])
             self._publish_pool_sizes()
             if not isinstance(e, Exception):
                 raise
@@ -463,7 +416,7 @@ class RayBackend:
             await asyncio.sleep(0.1)
         self._pools[role].replicas.remove(replica)
         sched.remove_engine(role.value, replica.replica_id)
-        await _kill_all([replica])
+        await kill_all([replica])
         logger.info("engine %s drained and stopped", replica.replica_id)
         self._publish_pool_sizes()
 
@@ -523,87 +476,6 @@ def _remote_prefill(request: GenerateRequest) -> bool:
     return bool((request.kv_transfer_params or {}).get("do_remote_prefill"))
 
 
-def build_scheduler(config: PdserveConfig, pools: list[str], info: EngineInfo) -> GlobalScheduler:
-    slo = None
-    if config.slo.defined:
-        slo = SloTargets(config.slo.ttft_ms / 1000, config.slo.tpot_ms / 1000,
-                         config.slo.percentile)
-    policy = RoutingPolicy(local_prefill_max_tokens=config.scheduler.local_prefill_max_tokens,
-                           admit_ttft_factor=config.scheduler.admit_ttft_factor)
-    return GlobalScheduler(pools, seed_model(config), slo, policy, config.scheduler.window_s,
-                           config.scheduler.prefix_aware, max(info.block_size, 1))
-
-
-def seed_model(config: PdserveConfig) -> PerfModel:
-    """The performance model to start from: a profile, the mock's settings, or a guess."""
-    if config.scheduler.profile is not None:
-        return PerfModel.load(config.scheduler.profile)
-    if config.engine.kind == "mock":
-        m = config.engine.mock
-        return PerfModel(prefill_tokens_per_s=m.prefill_tokens_per_s, decode_step_s=m.decode_step_s,
-                         decode_step_per_seq_s=m.decode_step_per_seq_s,
-                         kv_bytes_per_token=m.kv_bytes_per_token,
-                         transfer_bytes_per_s=m.transfer_bytes_per_s)
-    # No profile: a deliberately modest guess; the online fit replaces it within a few dozen
-    # requests.
-    return PerfModel(prefill_tokens_per_s=2000.0, decode_step_s=0.02, decode_step_per_seq_s=1e-4,
-                     prefill_overhead_s=0.01, transfer_bytes_per_s=1e9)
-
-
-def with_cluster_token(config: PdserveConfig) -> PdserveConfig:
-    """Fill in a random cluster token for KV peers when the config does not set one."""
-    if config.kv.cluster_token:
-        return config
-    kv = config.kv.model_copy(update={"cluster_token": secrets.token_hex(16)})
-    return config.model_copy(update={"kv": kv})
-
-
-def _create_pool(config: PdserveConfig, model: ResolvedModel, role: PoolRole) -> EnginePool:
-    pool = EnginePool(role)
-    actor_cls = ray.remote(EngineActor)
-    for index in range(config.pools.for_role(role).replicas):
-        replica_id = f"{role.value}-{index}"
-        spec = EngineSpec(replica_id, role.value, model.path, model.served_name,
-                          config.for_pool(role))
-        handle = actor_cls.options(**actor_options(config, role, replica_id)).remote(spec)
-        pool.replicas.append(Replica(replica_id, role, handle))
-    return pool
-
-
-async def _start_all(replicas: list[Replica], timeout_s: float) -> list[EngineInfo]:
-    calls = [r.actor.start.remote() for r in replicas]
-    try:
-        return list(await asyncio.wait_for(asyncio.gather(*calls), timeout_s))
-    except TimeoutError:
-        raise EngineStartError(
-            f"engines did not start within {timeout_s:.0f} s; check that the cluster has the "
-            "resources the pools ask for (`ray status`) and the engine logs"
-        ) from None
-    except (RayActorError, RayTaskError) as e:
-        raise EngineStartError(f"an engine failed to start: {e}") from e
-
-
-def _request_resources(config: PdserveConfig, wanted: dict[PoolRole, int]) -> None:
-    """Tell the Ray autoscaler the engines the pools want, so it brings up nodes for them.
-
-    The request is the whole target (it replaces the previous one), so it shrinks again on a
-    scale-down and idle nodes can go. Without an autoscaler (a fixed cluster) it is a no-op.
-    """
-    from ray.autoscaler.sdk import request_resources
-
-    bundles = []
-    for role, count in wanted.items():
-        opts = actor_options(config, role, "")
-        bundle = {"CPU": opts["num_cpus"], **opts["resources"]}
-        if opts["num_gpus"]:
-            bundle["GPU"] = opts["num_gpus"]
-        bundles.extend({k: v for k, v in bundle.items() if v} for _ in range(count))
-    try:
-        request_resources(bundles=[b for b in bundles if b])
-    except Exception as e:  # noqa: BLE001 - scaling still proceeds on the nodes that exist
-        logger.warning("could not request resources from the Ray autoscaler: %r", e)
-
-
 async def _fetch_stats(replica: Replica) -> EngineStats:
     return await asyncio.wait_for(replica.actor.stats.remote(), _STATS_TIMEOUT_S)
 
@@ -629,18 +501,3 @@ def _abort_quietly(replica: Replica, request_id: str) -> None:
     except Exception as e:  # noqa: BLE001 - an abort must never mask the original outcome
         logger.warning("abort of %s on %s failed: %r", request_id, replica.replica_id, e)
 
-
-async def _kill_all(replicas: list[Replica]) -> None:
-    for replica in replicas:
-        try:
-            await asyncio.wait_for(replica.actor.shutdown.remote(), 30)
-        except (Exception, GetTimeoutError) as e:  # noqa: BLE001 - each release on its own
-            logger.warning("engine %s did not shut down cleanly: %r", replica.replica_id, e)
-        try:
-            ray.kill(replica.actor)
-        except Exception as e:  # noqa: BLE001
-            logger.warning("could not kill engine actor %s: %r", replica.replica_id, e)
-        try:
-            await replica.outputs.aclose()
-        except Exception as e:  # noqa: BLE001
-            logger.warning("output stream of %s did not close: %r", replica.replica_id, e)

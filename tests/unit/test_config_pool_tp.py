@@ -32,10 +32,10 @@ def test_a_pool_tp_above_one_is_refused_on_cpu():
 
 
 def test_engine_actors_reserve_their_pool_tp_in_gpus():
-    ray_backend = pytest.importorskip("pdserve.serving.ray_backend")
+    replicas = pytest.importorskip("pdserve.serving.replicas")
     config = load_config(
         None,
         {"engine.device": "cuda", "pools.prefill.tensor_parallel_size": 1, "pools.decode.tensor_parallel_size": 2},
     )
-    assert ray_backend.actor_options(config, PoolRole.PREFILL, "p-0")["num_gpus"] == 1
-    assert ray_backend.actor_options(config, PoolRole.DECODE, "d-0")["num_gpus"] == 2
+    assert replicas.actor_options(config, PoolRole.PREFILL, "p-0")["num_gpus"] == 1
+    assert replicas.actor_options(config, PoolRole.DECODE, "d-0")["num_gpus"] == 2
