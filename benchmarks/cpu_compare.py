@@ -50,13 +50,16 @@ def start_vllm(model_dir: Path, log_path: Path) -> RunningServer:
 
 
 def run_bench(server: RunningServer, arm: str, rate: float, args: argparse.Namespace,
-              tokenizer: Path, out: Path) -> dict:
+              tokenizer: Path, out: Path, seed: int) -> dict:
+    """One rate against a running arm. Every rate of an arm gets its own prompts (`seed`): the
+    rates run against the same server, whose prefix cache would hold the previous rate's
+    prompts."""
     name = f"{arm}-rate{rate:g}.json"
     cmd = [sys.executable, "-m", "pdserve.bench.cli", "serve", "--base-url", server.base_url,
            "--model", MODEL, "--tokenizer", str(tokenizer), "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
            "--num-prompts", str(args.num_prompts), "--request-rate", str(rate),
-           "--num-warmups", "2", "--seed", "0", "--goodput", f"ttft:{args.ttft_ms}",
+           "--num-warmups", "2", "--seed", str(seed), "--goodput", f"ttft:{args.ttft_ms}",
            f"tpot:{args.tpot_ms}", "--save-result", "--result-dir", str(out),
            "--result-filename", name, "--label", arm, "--disable-tqdm"]
     print("$", " ".join(cmd), flush=True)
@@ -127,8 +130,8 @@ def main() -> None:
                                    *PDSERVE_ARMS[arm]], log)
         print(f"{arm}: healthy after {time.perf_counter() - started:.1f} s", flush=True)
         try:
-            results[arm] = {rate: run_bench(server, arm, rate, args, model_dir, args.out)
-                            for rate in args.request_rates}
+            results[arm] = {rate: run_bench(server, arm, rate, args, model_dir, args.out, seed)
+                            for seed, rate in enumerate(args.request_rates)}
         finally:
             server.stop()
     text = table(results, args)

@@ -6,9 +6,11 @@
         --bench-rates 0.5 1 2
 
 With --bench-rates, the same service is then measured with benchmarks/cpu_compare.py's
-workload (random 256 in / 32 out, Poisson, 2 warm-ups, seed 0, goodput TTFT 2000 ms and TPOT
-250 ms; --num-prompts per rate, 16 in the comparison) at each rate, so profile and benchmark see the same machine load: the shared
-box's load changes by the minute, and the simulator can only predict the engine it was fed.
+workload (random 256 in / 32 out, Poisson, 2 warm-ups, goodput TTFT 2000 ms and TPOT 250 ms;
+--num-prompts per rate, 16 in the comparison) at each rate, so profile and benchmark see the
+same machine load: the shared box's load changes by the minute, and the simulator can only
+predict the engine it was fed. The k-th rate uses seed k: with one seed for all (before
+2026-11-26 session 4), every later rate found half of each prompt in the prefix cache.
 
 The arms start exactly like benchmarks/cpu_compare.py starts them (same flags), so the profile
 describes the engines that the recorded comparison measured. The start time (launch to /health)
@@ -44,12 +46,12 @@ NUM_KV_BLOCKS = 182
 
 
 def bench(base_url: str, model_dir: Path, arm: str, rate: float, out: Path,
-          num_prompts: int = 16) -> None:
+          num_prompts: int = 16, seed: int = 0) -> None:
     """benchmarks/cpu_compare.py's run_bench, same flags."""
     cmd = [sys.executable, "-m", "pdserve.bench.cli", "serve", "--base-url", base_url,
            "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(model_dir),
            "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "32",
-           "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--num-warmups", "2", "--seed", "0",
+           "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--num-warmups", "2", "--seed", str(seed),
            "--goodput", "ttft:2000", "tpot:250", "--save-result", "--result-dir", str(out),
            "--result-filename", f"{arm}-bench-rate{rate:g}.json", "--label", arm,
            "--disable-tqdm"]
@@ -86,8 +88,8 @@ def main() -> int:
                 "--out", str(args.out / f"{args.arm}.json"),
                 *(["--step-trace", str(trace_dir)] if args.step_trace else [])]
         code = profile.main(argv)
-        for rate in args.bench_rates:
-            bench(server.base_url, model_dir, args.arm, rate, args.out, args.num_prompts)
+        for seed, rate in enumerate(args.bench_rates):
+            bench(server.base_url, model_dir, args.arm, rate, args.out, args.num_prompts, seed)
         return code
     finally:
         server.stop()

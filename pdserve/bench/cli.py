@@ -29,7 +29,8 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -156,20 +157,22 @@ async def _resolve_model(args: argparse.Namespace, base_url: str) -> str:
     return model
 
 
-def _workload(args: argparse.Namespace, tokenizer: HFTokenizer) -> list[BenchRequest]:
-    """The requests of the chosen dataset, deterministic in --seed."""
+def _workload(args: argparse.Namespace, tokenizer: HFTokenizer,
+              seed: int | None = None) -> list[BenchRequest]:
+    """The requests of the chosen dataset, deterministic in the seed (default --seed)."""
+    seed = args.seed if seed is None else seed
     builder = PromptBuilder(tokenizer, PromptFormat(args.prompt_format))
     if args.dataset_name == "mooncake":
         records = read_mooncake_trace(args.dataset_path, limit=args.num_prompts)
-        return mooncake_requests(builder, records, args.seed)
+        return mooncake_requests(builder, records, seed)
     if args.dataset_name in SHAPES:
         shape = SHAPES[args.dataset_name]
         return shape_requests(
-            builder, shape, args.num_prompts, args.seed, args.length_scale, args.max_model_len
+            builder, shape, args.num_prompts, seed, args.length_scale, args.max_model_len
         )
     inputs = UniformLengths.from_range_ratio(args.random_input_len, args.random_range_ratio)
     outputs = UniformLengths.from_range_ratio(args.random_output_len, args.random_range_ratio)
-    return synthetic_requests(builder, inputs, outputs, args.num_prompts, args.seed, args.max_model_len)
+    return synthetic_requests(builder, inputs, outputs, args.num_prompts, seed, args.max_model_len)
 
 
 def _run_config(
@@ -249,21 +252,39 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 async def _rate_points(
-    args: argparse.Namespace, config: RunConfig, requests: list[BenchRequest], tokenizer: HFTokenizer
+    args: argparse.Namespace, config: RunConfig, tokenizer: HFTokenizer
 ) -> list[SweepPoint] | tuple[SweepPoint, ...]:
     """Sweep --request-rates, or run a goodput search when --search-goodput is set."""
-
-    async def run_at(rate: float) -> BenchmarkResult:
-        result = await _run(config.at_rate(rate), requests, tokenizer)
-        attainment = result.metrics.attainment.all if result.metrics.attainment else 0.0
-        print(f"[{config.label or config.backend}] rate {rate:.3f} req/s: SLO attainment {attainment:.1%}")
-        _save_run(args, result, tag=f"{config.label or config.backend}-{rate:g}qps")
-        return result
-
+    name = config.label or config.backend
+    run_at = _prober(args, config, tokenizer, name, name)
     if args.search_goodput:
         found = await search_goodput(run_at, _search_settings(args), args.num_gpus)
         return found.points
     return await sweep_rates(run_at, sorted(args.request_rates))
+
+
+def _prober(args: argparse.Namespace, config: RunConfig, tokenizer: HFTokenizer, name: str,
+            tag: str) -> Callable[[float], Awaitable[BenchmarkResult]]:
+    """One benchmark run per probed rate, saved under `tag`.
+
+    Probe k sends prompts of its own, drawn with seed --seed + k (probe 0 sends what `serve`
+    would): the probes run back to back against one server, and with the same prompts every
+    probe after the first would find them in the prefix cache and overstate what the server
+    sustains (on the CPU engine, a 256-token random prompt found 128 tokens cached).
+    """
+    probes = 0
+
+    async def run_at(rate: float) -> BenchmarkResult:
+        nonlocal probes
+        seed, probes = args.seed + probes, probes + 1
+        requests = _workload(args, tokenizer, seed)
+        result = await _run(replace(config.at_rate(rate), seed=seed), requests, tokenizer)
+        attainment = result.metrics.attainment.all if result.metrics.attainment else 0.0
+        print(f"[{name}] rate {rate:.3f} req/s: SLO attainment {attainment:.1%}", flush=True)
+        _save_run(args, result, tag=f"{tag}-{rate:g}qps")
+        return result
+
+    return run_at
 
 
 def _search_settings(args: argparse.Namespace) -> GoodputSearch:
@@ -278,8 +299,8 @@ def _search_settings(args: argparse.Namespace) -> GoodputSearch:
 
 
 async def _sweep(args: argparse.Namespace) -> int:
-    config, requests, tokenizer = await _prepare(args, cli_args.base_url(args), args.label)
-    points = await _rate_points(args, config, requests, tokenizer)
+    config, _, tokenizer = await _prepare(args, cli_args.base_url(args), args.label)
+    points = await _rate_points(args, config, tokenizer)
     name = config.label or config.backend
     best = max_rate_meeting(points, args.target_attainment)
     print(_sweep_table(points))
@@ -309,7 +330,7 @@ async def _compare(args: argparse.Namespace) -> int:
     for target in targets:
         config, requests, tokenizer = await _prepare(args, target.base_url, target.name)
         if args.search_goodput or args.request_rates:
-            points = await _rate_points(args, config, requests, tokenizer)
+            points = await _rate_points(args, config, tokenizer)
             series[target.name] = points
             rows.append(_goodput_row(args, target, points))
         else:
@@ -476,15 +497,8 @@ async def _evaluate_candidate(
     start_s = time.monotonic() - began
     print(f"[{candidate.key}] healthy after {start_s:.1f} s", flush=True)
     try:
-        config, requests, tokenizer = await _prepare(args, service.base_url, candidate.slug)
-
-        async def run_at(rate: float) -> BenchmarkResult:
-            result = await _run(config.at_rate(rate), requests, tokenizer)
-            attainment = result.metrics.attainment.all if result.metrics.attainment else 0.0
-            print(f"[{candidate.key}] rate {rate:.3f} req/s: SLO attainment {attainment:.1%}", flush=True)
-            _save_run(args, result, tag=f"{candidate.slug}-{rate:g}qps")
-            return result
-
+        config, _, tokenizer = await _prepare(args, service.base_url, candidate.slug)
+        run_at = _prober(args, config, tokenizer, candidate.key, candidate.slug)
         found = await search_goodput(run_at, _search_settings(args), num_gpus)
     except (BenchmarkError, ConnectionError, OSError) as exc:
         return Trial(candidate, TrialStatus.FAILED, num_gpus, error=_error_summary(exc),

@@ -160,6 +160,12 @@ def test_sweep_writes_a_summary_per_rate(fake_server, word_tokenizer_dir, tmp_pa
     system = json.loads(summary_path.read_text())["systems"]["openai"]
     assert [p["request_rate"] for p in system["points"]] == [100.0, 200.0] and system["num_gpus"] == 2
     assert len(list(tmp_path.glob("openai-*qps-*.json"))) == 2  # one result per probed rate
+    # Each probe sent prompts of its own (seeds 0 and 1): none could hit the server's prefix
+    # cache from the probe before.
+    prompts = [body["prompt"] for body in fake_server.state.requests]
+    assert len(prompts) == 8 and len(set(prompts)) == 8
+    seeds = sorted(json.loads(p.read_text())["seed"] for p in tmp_path.glob("openai-*qps-*.json"))
+    assert seeds == [0, 1]
 
 
 def test_compare_prints_the_side_by_side_table(fake_server, word_tokenizer_dir, tmp_path, capsys) -> None:
