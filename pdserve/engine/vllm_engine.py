@@ -56,7 +56,15 @@ class _LatestSchedulerStats:
         self.kv_seconds = (self.kv_seconds + done)[-4096:]
 
 
-def _stat_logger_factory(sink: _LatestSchedulerStats, trace: StepTraceWriter | None):
+def _stat_logger_factory(sink: _LatestSchedulerStats, trace: StepTraceWriter | None,
+                         iteration_details: bool):
+    """vLLM stat logger that keeps the latest scheduler stats and writes the step trace.
+
+    Steps come from vLLM's per-iteration details where it has them (`iteration_details`);
+    older vLLMs (0.24) give one line per batch of outputs from their iteration stats instead: a
+    step that only prefilled a chunk emits nothing, so its time falls into the next line's
+    period, and a prompt's computed tokens count in the step that completes its prefill.
+    """
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class _Recorder(StatLoggerBase):
@@ -71,18 +79,34 @@ def _stat_logger_factory(sink: _LatestSchedulerStats, trace: StepTraceWriter | N
                 transfers = getattr(scheduler_stats, "kv_connector_stats", None)
                 if isinstance(transfers, dict) and transfers:
                     sink.add_transfers(transfers)
+            if trace is None:
+                return
+            if iteration_details:
                 details = getattr(scheduler_stats, "iteration_details", None)
-                if trace is not None and details is not None and not details.is_dummy:
-                    trace.record(Step(
-                        t=time.monotonic(), prefill_tokens=details.num_ctx_tokens,
-                        prefill_reqs=details.num_ctx_requests,
-                        decode_reqs=details.num_generation_requests,
-                        busy_s=round(details.elapsed_ms / 1000, 6)))
+                if details is not None and not details.is_dummy:
+                    trace.record(step_of_iteration(details, time.monotonic()))
+            elif iteration_stats is not None:
+                trace.record(step_of_outputs(iteration_stats, time.monotonic()))
 
         def log_engine_initialized(self) -> None:
             pass
 
     return lambda vllm_config, engine_index=0: _Recorder(vllm_config, engine_index)
+
+
+def step_of_iteration(details: Any, now: float) -> Step:
+    """A trace line from vLLM's per-iteration details (SchedulerIterationDetails)."""
+    return Step(t=now, prefill_tokens=details.num_ctx_tokens, prefill_reqs=details.num_ctx_requests,
+                decode_reqs=details.num_generation_requests,
+                busy_s=round(details.elapsed_ms / 1000, 6))
+
+
+def step_of_outputs(stats: Any, now: float) -> Step:
+    """A trace line from the IterationStats of one batch of outputs (vLLM without iteration
+    details): requests that got their first token prefilled, the others decoded."""
+    first = len(stats.time_to_first_tokens_iter)
+    return Step(t=now, prefill_tokens=stats.prompt_token_stats.computed, prefill_reqs=first,
+                decode_reqs=stats.num_generation_tokens - first)
 
 
 class VllmEngine:
@@ -103,7 +127,7 @@ class VllmEngine:
         if on_cpu:
             _set_cpu_environment(self._spec)
         model_path = await asyncio.to_thread(_local_model_path, self._spec)
-        args = _engine_args(self._spec, model_path, on_cpu, step_details=self._trace is not None)
+        args = _engine_args(self._spec, model_path, on_cpu)
         self._llm = await asyncio.to_thread(self._build, args)
         vllm_config = self._llm.vllm_config
         return EngineInfo(
@@ -118,7 +142,8 @@ class VllmEngine:
     def _build(self, args: Any) -> Any:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        factory = _stat_logger_factory(self._scheduler, self._trace)
+        details = bool(getattr(args, "enable_logging_iteration_details", False))
+        factory = _stat_logger_factory(self._scheduler, self._trace, details)
         return AsyncLLM.from_engine_args(args, stat_loggers=[factory])
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
@@ -200,7 +225,7 @@ def _local_model_path(spec: EngineSpec) -> str:
     return spec.model_path
 
 
-def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool, step_details: bool = False) -> Any:
+def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool) -> Any:
     import dataclasses
 
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -224,10 +249,8 @@ def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool, step_details: 
     )
     if spec.pool in ("prefill", "decode"):
         kwargs["kv_transfer_config"] = _kv_transfer_config(spec)
-    if step_details:
-        if "enable_logging_iteration_details" not in {f.name for f in dataclasses.fields(AsyncEngineArgs)}:
-            raise ValueError("engine.step_trace_dir needs a vLLM with per-iteration details "
-                             "(AsyncEngineArgs.enable_logging_iteration_details)")
+    has_details = "enable_logging_iteration_details" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    if engine.step_trace_dir is not None and has_details:
         kwargs["enable_logging_iteration_details"] = True
         # vLLM's own stat logger would print every iteration at INFO.
         logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)

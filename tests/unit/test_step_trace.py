@@ -113,3 +113,18 @@ def test_a_step_fit_in_a_profile_replaces_the_client_timed_lines():
     assert stepped.prefill_overhead_s == pytest.approx(0.40)
     no_rate = PerfModel.from_calibration({**profile, "step_fit": {**fit, "prefill_tokens_per_s": None}})
     assert no_rate.prefill_tokens_per_s == 400.0 and no_rate.decode_step_s == 0.07
+
+
+def test_vllm_stats_become_trace_lines():
+    from types import SimpleNamespace
+
+    from pdserve.engine.vllm_engine import step_of_iteration, step_of_outputs
+
+    details = SimpleNamespace(num_ctx_tokens=300, num_ctx_requests=2, num_generation_requests=7,
+                              elapsed_ms=81.5)
+    assert step_of_iteration(details, 5.0) == Step(5.0, 300, 2, 7, 0.0815)
+    # vLLM 0.24: one batch of outputs, 2 requests got their first token (after computing 900
+    # prompt tokens; cached ones do not count), 6 more decoded one token each.
+    stats = SimpleNamespace(time_to_first_tokens_iter=[0.2, 0.3], num_generation_tokens=8,
+                            prompt_token_stats=SimpleNamespace(computed=900, total=1200))
+    assert step_of_outputs(stats, 6.0) == Step(6.0, 900, 2, 6, None)
