@@ -3,8 +3,8 @@
 With `engine.step_trace_dir` set, every engine appends its steps to
 `{dir}/{replica_id}.steps.jsonl`: when the step's outputs reached the engine's process (`t`,
 monotonic seconds, the same clock for every process of a host), the prompt tokens it prefilled
-(`prefill_tokens`, over `prefill_reqs` requests), the requests it decoded (`decode_reqs`), and
-`busy_s`, the engine's own timing of the step where it reports one (vLLM's iteration details;
+(`prefill_tokens`, over `prefill_reqs` requests), the requests it decoded (`decode_reqs`), the
+requests still running or waiting after it (`pending`), and `busy_s`, the engine's own timing of the step where it reports one (vLLM's iteration details;
 older vLLMs give one line per batch of outputs, see pdserve.engine.vllm_engine).
 
 `fit_steps` turns a trace into the simulator's step model (pdserve.sim.engine_profile):
@@ -12,8 +12,8 @@ older vLLMs give one line per batch of outputs, see pdserve.engine.vllm_engine).
     step_s = decode_step_s + decode_step_per_seq_s * decode_reqs + prefill_tokens / prefill_tokens_per_s
 
 fitted by least squares to step *periods*: the time between one step's outputs and the next's.
-A period counts only when the engine cannot have idled in between, i.e. the step decoded a
-request that was already running; prefill-only steps after a quiet spell are left out. Unlike
+A period counts only when the engine cannot have idled in between: the step before left requests
+running or waiting; prefill-only steps after a quiet spell are left out. Unlike
 inter-token gaps timed at the client, this is the engine's own cadence, and mixed steps (decodes
 plus prefill chunks, vLLM's chunked prefill) show what a prompt costs while others decode.
 """
@@ -38,6 +38,7 @@ class Step:
     prefill_reqs: int
     decode_reqs: int
     busy_s: float | None = None
+    pending: int | None = None  # requests running or waiting after the step; None: unknown
 
 
 class StepTraceWriter:
@@ -90,12 +91,16 @@ class StepFit:
 
 def step_periods(steps: Iterable[Step]) -> list[tuple[Step, float]]:
     """(step, seconds since the previous step's outputs) for steps the engine could not idle
-    before: those that decoded a request already running."""
+    before: the previous step left requests running or waiting, or (where that is unknown)
+    this step decoded a request already running. A prefill engine's back-to-back prompts count
+    by the first rule only."""
     periods = []
     previous: Step | None = None
     for step in steps:
-        if previous is not None and step.decode_reqs > 0 and step.t > previous.t:
-            periods.append((step, step.t - previous.t))
+        if previous is not None and step.t > previous.t:
+            busy = previous.pending > 0 if previous.pending is not None else step.decode_reqs > 0
+            if busy:
+                periods.append((step, step.t - previous.t))
         previous = step
     return periods
 

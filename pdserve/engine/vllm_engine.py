@@ -84,7 +84,7 @@ def _stat_logger_factory(sink: _LatestSchedulerStats, trace: StepTraceWriter | N
             if iteration_details:
                 details = getattr(scheduler_stats, "iteration_details", None)
                 if details is not None and not details.is_dummy:
-                    trace.record(step_of_iteration(details, time.monotonic()))
+                    trace.record(step_of_iteration(details, scheduler_stats, time.monotonic()))
             elif iteration_stats is not None:
                 trace.record(step_of_outputs(iteration_stats, time.monotonic()))
 
@@ -94,11 +94,13 @@ def _stat_logger_factory(sink: _LatestSchedulerStats, trace: StepTraceWriter | N
     return lambda vllm_config, engine_index=0: _Recorder(vllm_config, engine_index)
 
 
-def step_of_iteration(details: Any, now: float) -> Step:
-    """A trace line from vLLM's per-iteration details (SchedulerIterationDetails)."""
+def step_of_iteration(details: Any, scheduler: Any, now: float) -> Step:
+    """A trace line from vLLM's per-iteration details (SchedulerIterationDetails) and the
+    scheduler stats they came with (what is left after the step)."""
     return Step(t=now, prefill_tokens=details.num_ctx_tokens, prefill_reqs=details.num_ctx_requests,
                 decode_reqs=details.num_generation_requests,
-                busy_s=round(details.elapsed_ms / 1000, 6))
+                busy_s=round(details.elapsed_ms / 1000, 6),
+                pending=scheduler.num_running_reqs + scheduler.num_waiting_reqs)
 
 
 def step_of_outputs(stats: Any, now: float) -> Step:

@@ -140,7 +140,8 @@ class MockEngine:
                     self._emit(state)
             if batch and self._trace is not None:
                 self._trace.record(Step(t=time.monotonic(), prefill_tokens=0, prefill_reqs=0,
-                                        decode_reqs=len(batch), busy_s=step))
+                                        decode_reqs=len(batch), busy_s=step,
+                                        pending=len(self._running)))
 
     def _emit(self, state: _Running) -> None:
         token = self._next_token(state)

@@ -54,6 +54,11 @@ def test_the_fit_recovers_the_step_model_and_ignores_idle_spells_and_stalls():
 def test_periods_skip_steps_the_engine_may_have_idled_before():
     trace = [Step(0.0, 100, 1, 0), Step(0.05, 0, 0, 1), Step(9.0, 100, 1, 0), Step(9.2, 50, 1, 1)]
     assert [(s.t, round(p, 3)) for s, p in step_periods(trace)] == [(0.05, 0.05), (9.2, 0.2)]
+    # With the queue known: a prefill engine's back-to-back prompts count, a prompt after the
+    # queue ran dry does not, whatever it decoded.
+    prefill_engine = [Step(0.0, 500, 1, 0, pending=2), Step(0.4, 500, 1, 0, pending=1),
+                      Step(0.8, 500, 1, 0, pending=0), Step(5.0, 500, 1, 1, pending=0)]
+    assert [(s.t, round(p, 3)) for s, p in step_periods(prefill_engine)] == [(0.4, 0.4), (0.8, 0.4)]
 
 
 def test_without_prefilling_steps_the_fit_is_decode_only():
@@ -122,7 +127,8 @@ def test_vllm_stats_become_trace_lines():
 
     details = SimpleNamespace(num_ctx_tokens=300, num_ctx_requests=2, num_generation_requests=7,
                               elapsed_ms=81.5)
-    assert step_of_iteration(details, 5.0) == Step(5.0, 300, 2, 7, 0.0815)
+    scheduler = SimpleNamespace(num_running_reqs=8, num_waiting_reqs=3)
+    assert step_of_iteration(details, scheduler, 5.0) == Step(5.0, 300, 2, 7, 0.0815, pending=11)
     # vLLM 0.24: one batch of outputs, 2 requests got their first token (after computing 900
     # prompt tokens; cached ones do not count), 6 more decoded one token each.
     stats = SimpleNamespace(time_to_first_tokens_iter=[0.2, 0.3], num_generation_tokens=8,
