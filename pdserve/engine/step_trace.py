@@ -64,7 +64,8 @@ class StepTraceWriter:
 
 def read_steps(path: str | Path, since: float = 0.0) -> dict[str, list[Step]]:
     """replica id -> its steps at or after monotonic time `since` (a reader on the engines'
-    host), from one trace file or every trace file of a directory."""
+    host), from one trace file or every trace file of a directory; replicas without such steps
+    are left out."""
     path = Path(path)
     files = sorted(path.glob(f"*{SUFFIX}")) if path.is_dir() else [path]
     if not files:
@@ -72,7 +73,9 @@ def read_steps(path: str | Path, since: float = 0.0) -> dict[str, list[Step]]:
     traces = {}
     for file in files:
         steps = [Step(**json.loads(line)) for line in file.read_text().splitlines() if line.strip()]
-        traces[file.name.removesuffix(SUFFIX)] = [s for s in steps if s.t >= since]
+        recent = [s for s in steps if s.t >= since]
+        if recent:
+            traces[file.name.removesuffix(SUFFIX)] = recent
     return traces
 
 

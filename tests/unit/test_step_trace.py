@@ -77,6 +77,7 @@ def test_the_writer_appends_lines_that_read_back_by_replica_and_time(tmp_path):
     assert [s.t for s in read_steps(tmp_path / "steps")["decode-0"]] == [0.0, 1.0, 2.0]
     writer.close()
     assert [s.prefill_tokens for s in read_steps(writer.path, since=1.0)["decode-0"]] == [1, 2]
+    assert read_steps(tmp_path / "steps", since=3.0) == {}
     with pytest.raises(FileNotFoundError):
         read_steps(tmp_path)
 
