@@ -5,7 +5,8 @@
 #         arm:NAME:R1,R2,...                          any arm of proof.py (2P2D, colocated-4, vllm-4)
 #                                                     at these total rates (req/s)
 #         profile                                     one engine on the last GPU, measured by
-#                                                     `pdserve sim profile` (the simulator's input)
+#                                                     `pdserve sim profile --step-trace` (the
+#                                                     simulator's input, with the engine's step fit)
 #         ramp                                        the autoscaler from 1P1D under a rising load
 #                                                     on every visible GPU (--max-gpus)
 #         tp                                          prefill TP1 -> decode TP2 (benchmarks/gpu/tp_check.py)
@@ -53,7 +54,7 @@ for part in "$@"; do
       CUDA_VISIBLE_DEVICES=$gpu python3 -m pdserve serve --port "$port" --model "$model" --served-model-name m \
         --load-format dummy --max-model-len 4096 --max-num-seqs 256 --set engine.max_num_batched_tokens=8192 \
         --set engine.gpu_memory_utilization=0.9 --set engine.enforce_eager=false --mode colocated \
-        --replicas 1 >"$out/profile-server.log" 2>&1 &
+        --set engine.step_trace_dir="$out/steps" --replicas 1 >"$out/profile-server.log" 2>&1 &
       pid=$!
       until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do sleep 2; kill -0 $pid || break; done
       startup=$(( $(date +%s) - t0 ))
@@ -62,10 +63,10 @@ for part in "$@"; do
         --num-kv-blocks $(( ${tokens:-0} / 16 )) --block-size 16 --max-num-seqs 256 \
         --max-num-batched-tokens 8192 --startup-s "$startup" --prompt-lens 256 1024 2048 3072 \
         --batches 1 8 32 64 128 --prefill-batch 16 --prefill-len 2048 --vocab-size 30000 \
-        --note "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), vLLM 0.24 dummy Llama-8B shape" \
+        --step-trace "$out/steps" --mixed-requests 64 --mixed-rate 8 --note "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), vLLM 0.24 dummy Llama-8B shape" \
         --out "$out/profile.json" || echo "profile failed: $?"
       kill $pid; wait $pid 2>/dev/null; stop_ray
-      xz -f "$out/profile-server.log" ;;
+      xz -f "$out/profile-server.log"; tar -cJf "$out/profile-steps.tar.xz" -C "$out" steps && rm -rf "$out/steps" ;;
     ramp)
       trap stop_ray EXIT
       n=$(nvidia-smi -L | wc -l)
