@@ -121,7 +121,8 @@ def markdown(rows: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--profile", type=Path)
-    parser.add_argument("--arm", choices=["colocated", "disaggregated"], default="colocated")
+    parser.add_argument("--arm", choices=["colocated", "disaggregated", "disaggregated-pinned"],
+                        default="colocated")
     parser.add_argument("--measured", nargs="*", default=[])
     parser.add_argument("--gpu", type=Path, help="calibration JSON with a serving table")
     parser.add_argument("--gpu-prompts", type=int, default=1000)

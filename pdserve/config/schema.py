@@ -132,6 +132,11 @@ class PoolConfig(_Section):
         "engine.tensor_parallel_size. Prefill and decode may differ when the model's KV heads "
         "split evenly over both (decode ranks then pull head slices from the prefill ranks).",
     )
+    cpu_threads: str | None = Field(
+        None, description="CPU engines of this pool: the cores their threads bind to (e.g. '0' "
+        "for prefill and '1' for decode, so two engines on one host do not share cores); "
+        "default: engine.cpu_threads.",
+    )
     num_gpus: float | None = Field(
         None, ge=0, description="Ray GPUs per engine actor; default: the pool's "
         "tensor_parallel_size on GPU hosts, 0 on CPU.",
@@ -310,11 +315,17 @@ class PdserveConfig(_Section):
 
     def for_pool(self, role: PoolRole) -> PdserveConfig:
         """This config as one engine of `role` sees it: the pool's overrides applied to
-        `engine` (today: tensor_parallel_size). Engines read only `engine`."""
+        `engine` (tensor_parallel_size, cpu_threads). Engines read only `engine`."""
+        changes: dict[str, Any] = {}
         tp = self.tensor_parallel_size_of(role)
-        if tp == self.engine.tensor_parallel_size:
+        if tp != self.engine.tensor_parallel_size:
+            changes["tensor_parallel_size"] = tp
+        threads = self.pools.for_role(role).cpu_threads
+        if threads is not None and threads != self.engine.cpu_threads:
+            changes["cpu_threads"] = threads
+        if not changes:
             return self
-        return self.model_copy(update={"engine": self.engine.model_copy(update={"tensor_parallel_size": tp})})
+        return self.model_copy(update={"engine": self.engine.model_copy(update=changes)})
 
     @model_validator(mode="after")
     def _check_pools(self) -> PdserveConfig:

@@ -108,15 +108,19 @@ def step_periods(steps: Iterable[Step]) -> list[tuple[Step, float]]:
     return periods
 
 
-def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10,
-              min_mixed_steps: int = 5) -> StepFit:
+def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10, min_mixed_steps: int = 5,
+              decode_only: Iterable[list[Step]] = ()) -> StepFit:
     """Least-squares step model over the periods of every trace (see the module docstring).
 
-    One pass drops periods more than 5 median absolute deviations off the first fit (a stalled
-    process, a GC pause), then refits. The prefill rate is fitted only when at least
-    `min_mixed_steps` periods prefilled; otherwise it is None and the step model is decode-only.
+    `decode_only` traces contribute only their steps that prefilled nothing: a disaggregated
+    decode engine's "prefill" steps load KV pulled from a prefill engine, which is not the
+    prefill cost. One pass drops periods more than 5 median absolute deviations off the first
+    fit (a stalled process, a GC pause), then refits. The prefill rate is fitted only when at
+    least `min_mixed_steps` periods prefilled; otherwise it is None (a decode-only model).
     """
     rows = [(s.decode_reqs, s.prefill_tokens, p) for trace in traces for s, p in step_periods(trace)]
+    rows += [(s.decode_reqs, 0, p) for trace in decode_only for s, p in step_periods(trace)
+             if s.prefill_tokens == 0]
     if len(rows) < min_steps:
         raise ValueError(f"{len(rows)} usable step periods in the trace, need {min_steps}: "
                          "run some load with several requests decoding at once")

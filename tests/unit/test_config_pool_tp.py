@@ -19,6 +19,14 @@ def test_pools_default_to_the_engine_tp_and_may_override_it():
     assert config.for_pool(PoolRole.DECODE) is config
 
 
+def test_a_pool_binds_its_cpu_engines_to_its_own_cores():
+    config = load_config(None, {"engine.cpu_threads": "0-1", "pools.prefill.cpu_threads": "0",
+                                "pools.decode.cpu_threads": "1"})
+    assert config.for_pool(PoolRole.PREFILL).engine.cpu_threads == "0"
+    assert config.for_pool(PoolRole.DECODE).engine.cpu_threads == "1"
+    assert config.for_pool(PoolRole.COLOCATED) is config  # no override: the engine-wide binding
+
+
 def test_cli_flags_set_each_pool_tp():
     args = build_parser().parse_args(["serve", "--prefill-tp", "1", "--decode-tp", "2"])
     config = load_config(None, serve_overrides(args))

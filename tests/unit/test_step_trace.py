@@ -61,6 +61,25 @@ def test_periods_skip_steps_the_engine_may_have_idled_before():
     assert [(s.t, round(p, 3)) for s, p in step_periods(prefill_engine)] == [(0.4, 0.4), (0.8, 0.4)]
 
 
+def test_a_decode_engine_counts_only_its_decode_steps():
+    # Disaggregated: the prefill engine prefills back to back, the decode engine decodes and
+    # now and then loads a pulled prompt's KV (slow, but no prefill work).
+    prefill, t = [], 0.0
+    for i in range(40):
+        tokens = 128 * (1 + i % 4)
+        t += A + tokens / RATE
+        prefill.append(Step(t, tokens, 1, 0, pending=1))
+    decode, t = [], 0.0
+    for i in range(60):
+        batch, loaded = 1 + i % 8, 256 if i % 10 == 5 else 0
+        t += A + B * batch + (0.5 if loaded else 0.0)
+        decode.append(Step(t, loaded, int(loaded > 0), batch, pending=batch))
+    fit = fit_steps([prefill], decode_only=[decode])
+    assert fit.decode_step_s == pytest.approx(A) and fit.decode_step_per_seq_s == pytest.approx(B)
+    assert fit.prefill_tokens_per_s == pytest.approx(RATE)
+    assert fit.steps == 39 + 59 - 6  # the first step of each trace has no period; 6 KV loads
+
+
 def test_without_prefilling_steps_the_fit_is_decode_only():
     trace = [Step(t=0.01 * i * i, prefill_tokens=0, prefill_reqs=0, decode_reqs=i) for i in range(1, 30)]
     fit = fit_steps([trace])
