@@ -16,7 +16,7 @@ The arms start exactly like benchmarks/cpu_compare.py starts them (same flags), 
 describes the engines that the recorded comparison measured. The start time (launch to /health)
 is measured here and stored as the profile's startup_s.
 
-With --step-trace the service writes its engine step traces to OUT/steps
+With --step-trace the service writes its engine step traces to OUT/steps-ARM
 (`engine.step_trace_dir`) and the profile gains `step_fit`, the step model fitted to them
 (pdserve.engine.step_trace), which the simulator then uses.
 """
@@ -77,7 +77,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_embedded_model()
     started = time.monotonic()
-    trace_dir = args.out / "steps"
+    trace_dir = args.out / f"steps-{args.arm}"
     flags = [*ARMS[args.arm], *(["--set", f"engine.step_trace_dir={trace_dir}"]
                                  if args.step_trace else [])]
     server = start_server(flags, args.out / f"{args.arm}-serve.log", args.start_timeout_s)

@@ -14,7 +14,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -32,6 +32,11 @@ class PoolRole(StrEnum):
     COLOCATED = "colocated"
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+def _cores_spec(value: Any) -> Any:
+    """A core list as vLLM reads it ('0', '0-3', '0,2'): `--set ...cpu_threads=1` arrives as 1."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 class ModelConfig(_Section):
@@ -121,6 +126,11 @@ class EngineConfig(_Section):
         default_factory=dict, description="Passed as-is to vLLM's AsyncEngineArgs (escape hatch)."
     )
 
+    @field_validator("cpu_threads", mode="before")
+    @classmethod
+    def _cores(cls, value: Any) -> Any:
+        return _cores_spec(value)
+
 
 class PoolConfig(_Section):
     replicas: int = Field(1, ge=0, description="Engine actors in this pool.")
@@ -146,6 +156,11 @@ class PoolConfig(_Section):
         description="Custom Ray resources per engine actor; map pools to `ray up` node types "
         "(e.g. {'pdserve_prefill': 1}).",
     )
+
+    @field_validator("cpu_threads", mode="before")
+    @classmethod
+    def _cores(cls, value: Any) -> Any:
+        return _cores_spec(value)
 
 
 class PoolsConfig(_Section):

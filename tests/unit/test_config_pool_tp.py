@@ -20,8 +20,9 @@ def test_pools_default_to_the_engine_tp_and_may_override_it():
 
 
 def test_a_pool_binds_its_cpu_engines_to_its_own_cores():
+    # `--set pools.decode.cpu_threads=1` arrives as an int.
     config = load_config(None, {"engine.cpu_threads": "0-1", "pools.prefill.cpu_threads": "0",
-                                "pools.decode.cpu_threads": "1"})
+                                "pools.decode.cpu_threads": 1})
     assert config.for_pool(PoolRole.PREFILL).engine.cpu_threads == "0"
     assert config.for_pool(PoolRole.DECODE).engine.cpu_threads == "1"
     assert config.for_pool(PoolRole.COLOCATED) is config  # no override: the engine-wide binding
