@@ -88,7 +88,7 @@ def main() -> int:
         print(f"service up in {startup:.1f} s; KV lines in log: {blocks[:2]}", flush=True)
         argv = ["--base-url", server.base_url, "--model-dir", str(model_dir),
                 "--num-kv-blocks", str(NUM_KV_BLOCKS), "--block-size", "128",
-                "--startup-s", f"{startup:.1f}", "--note",
+                "--startup-s", f"{startup:.1f}", "--context-len", "256", "--note",
                 f"pdserve serve {' '.join(ARMS[args.arm])} on the 2-core CPU box",
                 "--out", str(args.out / f"{args.arm}.json"),
                 *(["--step-trace", str(trace_dir)] if args.step_trace else [])]

@@ -63,7 +63,7 @@ for part in "$@"; do
         --num-kv-blocks $(( ${tokens:-0} / 16 )) --block-size 16 --max-num-seqs 256 \
         --max-num-batched-tokens 8192 --startup-s "$startup" --prompt-lens 256 1024 2048 3072 \
         --batches 1 8 32 64 128 --prefill-batch 16 --prefill-len 2048 --vocab-size 30000 \
-        --step-trace "$out/steps" --mixed-requests 64 --mixed-rate 8 --note "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), vLLM 0.24 dummy Llama-8B shape" \
+        --step-trace "$out/steps" --mixed-requests 64 --mixed-rate 8 --context-len 2048 --note "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), vLLM 0.24 dummy Llama-8B shape" \
         --out "$out/profile.json" || echo "profile failed: $?"
       kill $pid; wait $pid 2>/dev/null; stop_ray
       xz -f "$out/profile-server.log"; tar -cJf "$out/profile-steps.tar.xz" -C "$out" steps && rm -rf "$out/steps" ;;

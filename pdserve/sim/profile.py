@@ -12,6 +12,9 @@ The profile is the JSON the simulator (and `PerfModel.from_calibration`) reads, 
   the CPU engine the first batch of a new shape was 5-10x slower than later ones);
 - `tpot_ms_by_batch`: batch -> median inter-token latency when B requests decode together (short
   prompts, `--output-len` tokens, ignore_eos): the decode step time at that batch;
+- `decode_ctx_s_per_token` (with `--context-len L`): the largest batch again with L-token
+  prompts (`tpot_ms_by_batch_ctx`); the extra step time over the short prompts, per request and
+  per extra context token, is what attention over the context adds to a decode step;
 - with `--step-trace DIR` (the service runs with `engine.step_trace_dir=DIR` on this host): a
   mixed phase of `--mixed-requests` Poisson arrivals of the profile's prompt lengths, then
   `step_fit`, the step model fitted to the engines' own step traces of this run
@@ -48,6 +51,7 @@ from pdserve.bench.client import EndpointConfig, OpenAIStreamClient, RequestOutc
 from pdserve.bench.workloads import BenchRequest
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+SHORT_PROMPT = 16  # prompt tokens of the decode-batch measurements
 
 
 def kv_bytes_per_token(config: dict[str, Any], dtype: str | None = None) -> int:
@@ -78,7 +82,7 @@ async def _together(client: OpenAIStreamClient, requests: Sequence[BenchRequest]
 async def measure(endpoint: EndpointConfig, prompt_lens: Sequence[int], batches: Sequence[int],
                   prefill_batch: int, prefill_len: int, output_len: int, repeats: int,
                   vocab: int, seed: int = 0, mixed_requests: int = 0,
-                  mixed_rate: float = 1.0) -> dict[str, Any]:
+                  mixed_rate: float = 1.0, context_len: int = 0) -> dict[str, Any]:
     """The timing part of a profile (see the module docstring)."""
     rng = np.random.default_rng(seed)
     raw: dict[str, Any] = {"ttft_s": {}, "prefill_wall_s": None, "itl_s": {}}
@@ -102,16 +106,41 @@ async def measure(endpoint: EndpointConfig, prompt_lens: Sequence[int], batches:
                       round(prefill_len * prefill_batch / statistics.median(walls[1:]), 1)}
         tpot = {}
         for batch in batches:
-            reqs = [BenchRequest(_prompt(rng, 16, vocab).prompt, 16, output_len) for _ in range(batch)]
-            outcomes, _ = await _together(c, reqs)
-            # Drop each request's first gap: it may wait on the others' prefill.
-            gaps = [g for o in outcomes for g in o.itls_s[1:]]
+            gaps = await _decode_gaps(c, rng, batch, SHORT_PROMPT, output_len, vocab)
             raw["itl_s"][str(batch)] = [round(g, 5) for g in gaps]
             tpot[str(batch)] = round(statistics.median(gaps) * 1000, 2)
+        context: dict[str, Any] = {}
+        if context_len:
+            batch = max(batches)
+            gaps = await _decode_gaps(c, rng, batch, context_len, output_len, vocab)
+            raw["itl_s"][f"{batch}@{context_len}"] = [round(g, 5) for g in gaps]
+            long_ms = statistics.median(gaps) * 1000
+            context = {"tpot_ms_by_batch_ctx": {f"{batch}@{context_len}": round(long_ms, 2)},
+                       "decode_ctx_s_per_token": context_cost(tpot[str(batch)], long_ms, batch,
+                                                              context_len)}
         if mixed_requests:
             await _mixed(c, rng, prompt_lens, output_len, mixed_requests, mixed_rate, vocab)
     return {"ttft_single_ms": singles, "prefill_tokens_per_s": slope_rate(singles),
-            "prefill_batch_tokens_per_s": batch_rate, "tpot_ms_by_batch": tpot, "raw": raw}
+            "prefill_batch_tokens_per_s": batch_rate, "tpot_ms_by_batch": tpot, **context,
+            "raw": raw}
+
+
+def context_cost(short_ms: float, long_ms: float, batch: int, context_len: int) -> float:
+    """Seconds per context token per decode step: the step at `batch` with `context_len`-token
+    prompts against `SHORT_PROMPT`-token ones (never negative: noise, not a discount)."""
+    if context_len <= SHORT_PROMPT:
+        raise ValueError(f"--context-len must exceed {SHORT_PROMPT}")
+    return max((long_ms - short_ms) / 1000 / (batch * (context_len - SHORT_PROMPT)), 0.0)
+
+
+async def _decode_gaps(client: OpenAIStreamClient, rng: np.random.Generator, batch: int,
+                       prompt_len: int, output_len: int, vocab: int) -> list[float]:
+    """Inter-token gaps of `batch` requests decoding together (each one's first gap dropped:
+    it may wait on the others' prefill)."""
+    reqs = [BenchRequest(_prompt(rng, prompt_len, vocab).prompt, prompt_len, output_len)
+            for _ in range(batch)]
+    outcomes, _ = await _together(client, reqs)
+    return [g for o in outcomes for g in o.itls_s[1:]]
 
 
 async def _mixed(client: OpenAIStreamClient, rng: np.random.Generator, prompt_lens: Sequence[int],
@@ -185,6 +214,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--prefill-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--context-len", type=int, default=0, help="also time the largest batch "
+                        "with prompts of this many tokens: the decode step's context cost")
     parser.add_argument("--vocab-size", type=int, default=49152)
     parser.add_argument("--step-trace", type=Path, help="the service's engine.step_trace_dir (same "
                         "host): add a mixed phase and fit the step model to the engines' traces")
@@ -206,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
     mixed = args.mixed_requests if args.step_trace else 0
     timings = asyncio.run(measure(endpoint, args.prompt_lens, args.batches, args.prefill_batch,
                                   args.prefill_len, args.output_len, args.repeats, args.vocab_size,
-                                  mixed_requests=mixed, mixed_rate=args.mixed_rate))
+                                  mixed_requests=mixed, mixed_rate=args.mixed_rate,
+                                  context_len=args.context_len))
     profile: dict[str, Any] = {
         "engine": f"endpoint {args.base_url}", "model": model, "note": args.note,
         "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

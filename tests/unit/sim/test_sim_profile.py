@@ -3,7 +3,7 @@ import json
 import pytest
 
 from pdserve.sim.engine_profile import EngineProfile
-from pdserve.sim.profile import kv_bytes_per_token, transfer_from_metrics
+from pdserve.sim.profile import context_cost, kv_bytes_per_token, transfer_from_metrics
 
 pytestmark = pytest.mark.unit
 
@@ -47,3 +47,16 @@ def test_a_recorded_profile_loads_into_the_simulator(tmp_path):
     assert p.perf.prefill_overhead_s == pytest.approx(0.22)
     assert p.response_s == pytest.approx(0.22 - 0.090)
     assert p.perf.transfer_s(128) == pytest.approx(128 * 46080 / 8.85e7)
+
+
+def test_the_context_cost_of_a_decode_step():
+    # Batch 8 steps took 144 ms with 16-token prompts and 263 ms with 512-token prompts: 119 ms
+    # for 8 x 496 more context tokens.
+    assert context_cost(144.0, 263.0, 8, 512) == pytest.approx(0.119 / (8 * 496))
+    assert context_cost(144.0, 140.0, 8, 512) == 0.0
+    with pytest.raises(ValueError, match="context-len"):
+        context_cost(144.0, 263.0, 8, 16)
+    # The simulator's step then charges it for every context token of the batch.
+    p = EngineProfile.from_json({"prefill_tokens_per_s": 400.0, "tpot_ms_by_batch": {"1": 100.0},
+                                 "decode_ctx_s_per_token": 3e-5})
+    assert p.step_s(0, 8, context_tokens=8 * 300) == pytest.approx(0.100 + 3e-5 * 2400)
