@@ -5,6 +5,13 @@ simulator request for request (its own arrival offsets, prompt and output length
 topology it ran (colocated x1 or 1P1D), with the engine profile recorded from the CPU service,
 and scored with the harness's metrics and the run's goodput SLOs.
 
+Fitted under load (`--fit-trace DIR --fit-run RUN.json`): the profile's `step_fit` is refitted
+on the engines' step traces (`--step-trace` of sim_profile_cpu.py) recorded during one measured
+run, and every run is predicted with it; the other runs are held out. On two shared cores the
+benchmark client and the frontend slow the engines down, which a profile taken before the load
+does not see. The runs are found in the trace as its last stretches of steps between idle gaps
+(the benchmark client starting), in the order given, and each must last about as long as its run.
+
 GPU: the calibration file's `colocated_serving_isl2048_osl256_poisson` table (plain vLLM 0.24 on
 one H200, Llama-3.1-8B shape) against the simulator fed the same file's profile, 1000 Poisson
 requests of 2048 in / 256 out per rate (vllm bench's default count; the file does not say).
@@ -63,8 +70,43 @@ def compare(sim: dict, measured: dict) -> dict:
     return row
 
 
+def run_windows(trace_dir: Path, runs: list[dict], idle_s: float = 4.0) -> list[tuple[float, float]]:
+    """(start, end) in trace time of each run: the last len(runs) stretches of steps between idle
+    gaps of every engine's trace, checked against each run's duration."""
+    from pdserve.engine.step_trace import read_steps
+
+    times = sorted(s.t for steps in read_steps(trace_dir).values() for s in steps)
+    cuts = [i for i in range(1, len(times)) if times[i] - times[i - 1] > idle_s]
+    bounds = [0, *cuts, len(times)]
+    stretches = [(times[a], times[b - 1]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    windows = stretches[-len(runs):]
+    for (start, end), run in zip(windows, runs, strict=True):
+        if not 0.7 * run["duration"] <= end - start <= 1.3 * run["duration"] + 5:
+            raise SystemExit(f"trace stretch of {end - start:.1f} s does not match the run of "
+                             f"{run['duration']:.1f} s at {run['request_rate']} req/s")
+    return windows
+
+
+def fitted_on_run(profile: dict, trace_dir: Path, window: tuple[float, float]) -> dict:
+    """The profile with its step_fit refitted on the steps inside `window`."""
+    from pdserve.engine.step_trace import fit_steps, read_steps
+
+    inside = {r: [s for s in steps if window[0] <= s.t <= window[1]]
+              for r, steps in read_steps(trace_dir).items()}
+    decode = [v for r, v in inside.items() if r.startswith("decode-")]
+    fit = fit_steps([v for r, v in inside.items() if not r.startswith("decode-")], decode_only=decode)
+    return {**profile, "step_fit": {**fit.to_json(), "window": list(window)}}
+
+
 def cpu(args: argparse.Namespace) -> list[dict]:
     profile = EngineProfile.load(args.profile)
+    if args.fit_trace:
+        runs = [json.loads(Path(p).read_text()) for p in args.measured]
+        fit_index = [str(p) for p in args.measured].index(str(args.fit_run))
+        window = run_windows(args.fit_trace, runs)[fit_index]
+        data = fitted_on_run(json.loads(Path(args.profile).read_text()), args.fit_trace, window)
+        (args.out / "profile-fitted-on-run.json").write_text(json.dumps(data, indent=1))
+        profile = EngineProfile.from_json(data, name=Path(args.profile).stem)
     rows = []
     for path in args.measured:
         measured = json.loads(Path(path).read_text())
@@ -72,7 +114,8 @@ def cpu(args: argparse.Namespace) -> list[dict]:
         run = simulate(SimConfig(profile, topology(args.arm)), replay(measured))
         sim = run_json(run, slo, percentiles=(50, 90, 99))
         rows.append({"run": str(path), "arm": args.arm, "rate": measured["request_rate"],
-                     "metrics": compare(sim, measured)})
+                     "metrics": compare(sim, measured),
+                     "fitted_on": bool(args.fit_trace) and str(path) == str(args.fit_run)})
     return rows
 
 
@@ -114,7 +157,8 @@ def markdown(rows: list[dict]) -> str:
                 continue
             err = "" if c["error_pct"] is None else f" ({c['error_pct']:+.0f}%)"
             cells.append(f"{c['measured']:.4g} / {c['sim']:.4g}{err}")
-        lines.append(f"| {r['arm']} | {r['rate']} | " + " | ".join(cells) + " |")
+        rate = f"{r['rate']}{' (fit)' if r.get('fitted_on') else ''}"
+        lines.append(f"| {r['arm']} | {rate} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -124,12 +168,17 @@ def main() -> int:
     parser.add_argument("--arm", choices=["colocated", "disaggregated", "disaggregated-pinned"],
                         default="colocated")
     parser.add_argument("--measured", nargs="*", default=[])
+    parser.add_argument("--fit-trace", type=Path, help="step trace dir of the measured runs")
+    parser.add_argument("--fit-run", type=Path, help="with --fit-trace: the run (one of "
+                        "--measured) whose steps the step model is refitted on")
     parser.add_argument("--gpu", type=Path, help="calibration JSON with a serving table")
     parser.add_argument("--gpu-prompts", type=int, default=1000)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    rows = (cpu(args) if args.measured else []) + (gpu(args) if args.gpu else [])
+    if bool(args.fit_trace) != bool(args.fit_run):
+        parser.error("--fit-trace and --fit-run go together")
     args.out.mkdir(parents=True, exist_ok=True)
+    rows = (cpu(args) if args.measured else []) + (gpu(args) if args.gpu else [])
     (args.out / "validation.json").write_text(json.dumps(
         {"command": " ".join(sys.argv), "profile": str(args.profile), "rows": rows}, indent=1))
     table = markdown(rows)
