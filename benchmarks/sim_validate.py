@@ -9,8 +9,8 @@ Fitted under load (`--fit-trace DIR --fit-run RUN.json`): the profile's `step_fi
 on the engines' step traces (`--step-trace` of sim_profile_cpu.py) recorded during one measured
 run, and every run is predicted with it; the other runs are held out. On two shared cores the
 benchmark client and the frontend slow the engines down, which a profile taken before the load
-does not see. The runs are found in the trace as its last stretches of steps between idle gaps
-(the benchmark client starting), in the order given, and each must last about as long as its run.
+does not see. A run's steps are found from its wall-clock start and duration, counted back from
+the trace's end (the last run).
 
 GPU: the calibration file's `colocated_serving_isl2048_osl256_poisson` table (plain vLLM 0.24 on
 one H200, Llama-3.1-8B shape) against the simulator fed the same file's profile, 1000 Poisson
@@ -70,21 +70,21 @@ def compare(sim: dict, measured: dict) -> dict:
     return row
 
 
-def run_windows(trace_dir: Path, runs: list[dict], idle_s: float = 4.0) -> list[tuple[float, float]]:
-    """(start, end) in trace time of each run: the last len(runs) stretches of steps between idle
-    gaps of every engine's trace, checked against each run's duration."""
+def run_windows(trace_dir: Path, runs: list[dict]) -> list[tuple[float, float]]:
+    """(start, end) in trace time of each run. Trace time is monotonic and runs carry their
+    wall-clock start (`date`, to the second) and duration: the last run ends at the trace's last
+    busy stretch, and every run sits where its wall-clock start says, relative to it."""
+    import datetime
+
     from pdserve.engine.step_trace import read_steps
 
     times = sorted(s.t for steps in read_steps(trace_dir).values() for s in steps)
-    cuts = [i for i in range(1, len(times)) if times[i] - times[i - 1] > idle_s]
-    bounds = [0, *cuts, len(times)]
-    stretches = [(times[a], times[b - 1]) for a, b in zip(bounds, bounds[1:], strict=False)]
-    windows = stretches[-len(runs):]
-    for (start, end), run in zip(windows, runs, strict=True):
-        if not 0.7 * run["duration"] <= end - start <= 1.3 * run["duration"] + 5:
-            raise SystemExit(f"trace stretch of {end - start:.1f} s does not match the run of "
-                             f"{run['duration']:.1f} s at {run['request_rate']} req/s")
-    return windows
+    # A stray step after the last run (a late abort) does not end it.
+    end = next(times[i] for i in range(len(times) - 1, 0, -1) if times[i] - times[i - 10] < 10)
+    starts = [datetime.datetime.strptime(r["date"], "%Y%m%d-%H%M%S").timestamp() for r in runs]
+    last_end = max(start + r["duration"] for start, r in zip(starts, runs, strict=True))
+    return [(end - (last_end - start) - 1, end - (last_end - start) + r["duration"] + 1)
+            for start, r in zip(starts, runs, strict=True)]
 
 
 def fitted_on_run(profile: dict, trace_dir: Path, window: tuple[float, float]) -> dict:
