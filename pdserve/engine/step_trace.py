@@ -4,8 +4,9 @@ With `engine.step_trace_dir` set, every engine appends its steps to
 `{dir}/{replica_id}.steps.jsonl`: when the step's outputs reached the engine's process (`t`,
 monotonic seconds, the same clock for every process of a host), the prompt tokens it prefilled
 (`prefill_tokens`, over `prefill_reqs` requests), the requests it decoded (`decode_reqs`), the
-requests still running or waiting after it (`pending`), and `busy_s`, the engine's own timing of the step where it reports one (vLLM's iteration details;
-older vLLMs give one line per batch of outputs, see pdserve.engine.vllm_engine).
+requests still running or waiting after it (`pending`), and `busy_s`, the engine's own timing
+of the step where it reports one (vLLM's iteration details; older vLLMs give one line per
+batch of outputs, see pdserve.engine.vllm_engine).
 
 `fit_steps` turns a trace into the simulator's step model (pdserve.sim.engine_profile):
 
@@ -13,7 +14,8 @@ older vLLMs give one line per batch of outputs, see pdserve.engine.vllm_engine).
 
 fitted by least squares to step *periods*: the time between one step's outputs and the next's.
 A period counts only when the engine cannot have idled in between: the step before left requests
-running or waiting; prefill-only steps after a quiet spell are left out. Unlike
+running or waiting; prefill-only steps after a quiet spell are left out, and so are a
+disaggregated decode engine's steps that load pulled KV (`decode_only`). Unlike
 inter-token gaps timed at the client, this is the engine's own cadence, and mixed steps (decodes
 plus prefill chunks, vLLM's chunked prefill) show what a prompt costs while others decode.
 """
