@@ -4,7 +4,6 @@ decode rank ends with its KV heads; both engines report the request exactly once
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -65,14 +64,6 @@ class TPEngine(Stepping):
         return torch.stack(
             [torch.cat([c[name][block] for c in self.caches]) for name in self.caches[0]]
         )
-
-
-@pytest.fixture
-def transports() -> Iterator[FakeTransports]:
-    fakes = FakeTransports()
-    yield fakes
-    for endpoint in [*fakes.sinks, *fakes.sources]:
-        endpoint.close()
 
 
 def hand_off(p: TPEngine, d: TPEngine, prompt: int) -> tuple[bool, dict, list[int]]:

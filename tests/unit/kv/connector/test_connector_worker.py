@@ -4,7 +4,6 @@ pins, leases, pulls, failures, and exactly-once completion reports."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -54,14 +53,6 @@ class Engine(Stepping):
 
     def block(self, block_id: int) -> torch.Tensor:
         return torch.stack([t[block_id] for t in self.caches.values()])
-
-
-@pytest.fixture
-def transports() -> Iterator[FakeTransports]:
-    fakes = FakeTransports()
-    yield fakes
-    for endpoint in [*fakes.sinks, *fakes.sources]:
-        endpoint.close()
 
 
 def prefill(engine: Engine, prompt: int, request_id: str = "p-1") -> tuple[FakeRequest, dict]:
