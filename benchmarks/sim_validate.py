@@ -70,15 +70,13 @@ def compare(sim: dict, measured: dict) -> dict:
     return row
 
 
-def run_windows(trace_dir: Path, runs: list[dict]) -> list[tuple[float, float]]:
+def run_windows(traces: dict[str, list], runs: list[dict]) -> list[tuple[float, float]]:
     """(start, end) in trace time of each run. Trace time is monotonic and runs carry their
     wall-clock start (`date`, to the second) and duration: the last run ends at the trace's last
     busy stretch, and every run sits where its wall-clock start says, relative to it."""
     import datetime
 
-    from pdserve.engine.step_trace import read_steps
-
-    times = sorted(s.t for steps in read_steps(trace_dir).values() for s in steps)
+    times = sorted(s.t for steps in traces.values() for s in steps)
     # A stray step after the last run (a late abort) does not end it.
     end = next(times[i] for i in range(len(times) - 1, 0, -1) if times[i] - times[i - 10] < 10)
     starts = [datetime.datetime.strptime(r["date"], "%Y%m%d-%H%M%S").timestamp() for r in runs]
@@ -87,26 +85,25 @@ def run_windows(trace_dir: Path, runs: list[dict]) -> list[tuple[float, float]]:
             for start, r in zip(starts, runs, strict=True)]
 
 
-def fitted_on_run(profile: dict, trace_dir: Path, window: tuple[float, float]) -> dict:
+def fitted_on_run(profile: dict, traces: dict[str, list], window: tuple[float, float]) -> dict:
     """The profile with its step_fit refitted on the steps inside `window`."""
-    from pdserve.engine.step_trace import fit_steps, read_steps
+    from pdserve.engine.step_trace import fit_replicas
 
-    inside = {r: [s for s in steps if window[0] <= s.t <= window[1]]
-              for r, steps in read_steps(trace_dir).items()}
-    decode = [v for r, v in inside.items() if r.startswith("decode-")]
-    fit = fit_steps([v for r, v in inside.items() if not r.startswith("decode-")], decode_only=decode)
-    return {**profile, "step_fit": {**fit.to_json(), "window": list(window)}}
+    inside = {r: [s for s in steps if window[0] <= s.t <= window[1]] for r, steps in traces.items()}
+    return {**profile, "step_fit": {**fit_replicas(inside).to_json(), "window": list(window)}}
 
 
 def cpu(args: argparse.Namespace) -> list[dict]:
-    profile = EngineProfile.load(args.profile)
+    data = json.loads(Path(args.profile).read_text())
     if args.fit_trace:
+        from pdserve.engine.step_trace import read_steps
+
+        traces = read_steps(args.fit_trace)
         runs = [json.loads(Path(p).read_text()) for p in args.measured]
         fit_index = [str(p) for p in args.measured].index(str(args.fit_run))
-        window = run_windows(args.fit_trace, runs)[fit_index]
-        data = fitted_on_run(json.loads(Path(args.profile).read_text()), args.fit_trace, window)
+        data = fitted_on_run(data, traces, run_windows(traces, runs)[fit_index])
         (args.out / "profile-fitted-on-run.json").write_text(json.dumps(data, indent=1))
-        profile = EngineProfile.from_json(data, name=Path(args.profile).stem)
+    profile = EngineProfile.from_json(data, name=Path(args.profile).stem)
     rows = []
     for path in args.measured:
         measured = json.loads(Path(path).read_text())

@@ -23,7 +23,7 @@ plus prefill chunks, vLLM's chunked prefill) show what a prompt costs while othe
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
@@ -147,6 +147,14 @@ def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10, min_mixed_steps
         mixed_steps=int((x[:, 2] > 0).sum()) if len(columns) == 2 else 0,
         residual_p50_s=float(np.median(np.abs(y - x @ coef))),
     )
+
+
+def fit_replicas(traces: Mapping[str, list[Step]]) -> StepFit:
+    """`fit_steps` over the traces of a deployment's engines, by replica id: a disaggregated
+    decode engine (`decode-N`) counts with its decode-only steps."""
+    decode = [steps for replica, steps in traces.items() if replica.startswith("decode-")]
+    others = [steps for replica, steps in traces.items() if not replica.startswith("decode-")]
+    return fit_steps(others, decode_only=decode)
 
 
 def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

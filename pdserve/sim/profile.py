@@ -158,14 +158,10 @@ async def _mixed(client: OpenAIStreamClient, rng: np.random.Generator, prompt_le
 def step_fit(trace_dir: Path, since: float) -> dict[str, Any]:
     """`step_fit` of the profile: the step model of every trace in `trace_dir` since `since`
     (the decode engines of a disaggregated service count with their decode-only steps)."""
-    from pdserve.engine.step_trace import fit_steps, read_steps
+    from pdserve.engine.step_trace import fit_replicas, read_steps
 
     traces = read_steps(trace_dir, since)
-    decode = [steps for replica, steps in traces.items() if replica.startswith("decode-")]
-    others = [steps for replica, steps in traces.items() if not replica.startswith("decode-")]
-    fit = fit_steps(others, decode_only=decode).to_json()
-    fit["replicas"] = sorted(traces)
-    return fit
+    return {**fit_replicas(traces).to_json(), "replicas": sorted(traces)}
 
 
 def slope_rate(singles_ms: dict[str, float]) -> dict[str, float]:

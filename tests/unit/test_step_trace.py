@@ -7,7 +7,9 @@ import random
 import pytest
 
 from pdserve.config.schema import MockEngineConfig
-from pdserve.engine.step_trace import Step, StepTraceWriter, fit_steps, read_steps, step_periods
+from pdserve.engine.step_trace import (
+    Step, StepTraceWriter, fit_replicas, fit_steps, read_steps, step_periods,
+)
 from pdserve.engine.types import GenerateRequest, SamplingOptions
 from pdserve.scheduler.perf_model import PerfModel
 from pdserve.testing.mock_engine import MockEngine
@@ -78,6 +80,8 @@ def test_a_decode_engine_counts_only_its_decode_steps():
     assert fit.decode_step_s == pytest.approx(A) and fit.decode_step_per_seq_s == pytest.approx(B)
     assert fit.prefill_tokens_per_s == pytest.approx(RATE)
     assert fit.steps == 39 + 59 - 6  # the first step of each trace has no period; 6 KV loads
+    # By replica id, as a profile reads a deployment's traces.
+    assert fit_replicas({"prefill-0": prefill, "decode-0": decode}) == fit
 
 
 def test_without_prefilling_steps_the_fit_is_decode_only():
