@@ -207,11 +207,11 @@ def _run_config(
 
 async def _prepare(
     args: argparse.Namespace, base_url: str, label: str | None
-) -> tuple[RunConfig, list[BenchRequest], HFTokenizer]:
+) -> tuple[RunConfig, HFTokenizer]:
+    """The run's config and tokenizer; each run then builds its requests (`_workload`)."""
     model = await _resolve_model(args, base_url)
     tokenizer = load_tokenizer(args.tokenizer or model, trust_remote_code=args.trust_remote_code)
-    requests = _workload(args, tokenizer)
-    return _run_config(args, base_url, model, label, tokenizer.name), requests, tokenizer
+    return _run_config(args, base_url, model, label, tokenizer.name), tokenizer
 
 
 async def _run(config: RunConfig, requests: list[BenchRequest], tokenizer: HFTokenizer) -> BenchmarkResult:
@@ -244,8 +244,8 @@ def _save_run(args: argparse.Namespace, result: BenchmarkResult, tag: str | None
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    config, requests, tokenizer = await _prepare(args, cli_args.base_url(args), args.label)
-    result = await _run(config, requests, tokenizer)
+    config, tokenizer = await _prepare(args, cli_args.base_url(args), args.label)
+    result = await _run(config, _workload(args, tokenizer), tokenizer)
     print(format_summary(result, args.percentile_metrics))
     _save_run(args, result)
     return 0
@@ -299,7 +299,7 @@ def _search_settings(args: argparse.Namespace) -> GoodputSearch:
 
 
 async def _sweep(args: argparse.Namespace) -> int:
-    config, _, tokenizer = await _prepare(args, cli_args.base_url(args), args.label)
+    config, tokenizer = await _prepare(args, cli_args.base_url(args), args.label)
     points = await _rate_points(args, config, tokenizer)
     name = config.label or config.backend
     best = max_rate_meeting(points, args.target_attainment)
@@ -328,13 +328,13 @@ async def _compare(args: argparse.Namespace) -> int:
     series: dict[str, list[SweepPoint] | tuple[SweepPoint, ...]] = {}
     rows: list[ComparisonRow] = []
     for target in targets:
-        config, requests, tokenizer = await _prepare(args, target.base_url, target.name)
+        config, tokenizer = await _prepare(args, target.base_url, target.name)
         if args.search_goodput or args.request_rates:
             points = await _rate_points(args, config, tokenizer)
             series[target.name] = points
             rows.append(_goodput_row(args, target, points))
         else:
-            result = await _run(config, requests, tokenizer)
+            result = await _run(config, _workload(args, tokenizer), tokenizer)
             _save_run(args, result, tag=target.name)
             rows.append(comparison_row_of_run(target.name, target.num_gpus, result))
     print(format_comparison(rows))
@@ -497,7 +497,7 @@ async def _evaluate_candidate(
     start_s = time.monotonic() - began
     print(f"[{candidate.key}] healthy after {start_s:.1f} s", flush=True)
     try:
-        config, _, tokenizer = await _prepare(args, service.base_url, candidate.slug)
+        config, tokenizer = await _prepare(args, service.base_url, candidate.slug)
         run_at = _prober(args, config, tokenizer, candidate.key, candidate.slug)
         found = await search_goodput(run_at, _search_settings(args), num_gpus)
     except (BenchmarkError, ConnectionError, OSError) as exc:
