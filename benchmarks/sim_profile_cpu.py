@@ -40,12 +40,11 @@ ARMS = {
     "colocated": ["--mode", "colocated", "--replicas", "1"],
     "disaggregated": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1",
                       "--set", "pools.prefill.num_cpus=0.5", "--set", "pools.decode.num_cpus=0.5"],
-    # The same 1P1D with each engine bound to a core of its own (the simulator's premise: an
-    # engine owns its device); unbound, both engines' threads share both cores.
-    "disaggregated-pinned": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1",
-                             "--set", "pools.prefill.num_cpus=0.5", "--set", "pools.decode.num_cpus=0.5",
-                             "--set", "pools.prefill.cpu_threads=0", "--set", "pools.decode.cpu_threads=1"],
 }
+# The same 1P1D with each engine bound to a core of its own (the simulator's premise: an engine
+# owns its device); unbound, both engines' threads share both cores.
+ARMS["disaggregated-pinned"] = [*ARMS["disaggregated"], "--set", "pools.prefill.cpu_threads=0",
+                                "--set", "pools.decode.cpu_threads=1"]
 # 1 GiB of KV per engine (pdserve's CPU default, as in the comparison) / 5.9 MB per 128-token block.
 NUM_KV_BLOCKS = 182
 

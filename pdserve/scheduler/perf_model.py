@@ -91,9 +91,10 @@ class PerfModel:
         points = [(float(b), ms / 1000) for b, ms in (data.get("tpot_ms_by_batch") or {}).items()]
         if not points:
             raise ValueError("calibration has no tpot_ms_by_batch")
-        intercept, slope = fit_line_robust(points)
         if step_fit:
             intercept, slope = step_fit["decode_step_s"], step_fit["decode_step_per_seq_s"]
+        else:
+            intercept, slope = fit_line_robust(points)
         transfer = data.get("transfer") or {}
         link = (data.get("links_h100_pair") or {}).get("nccl_sendrecv_GBps") or {}
         bandwidth = transfer.get("bytes_per_s") or (link.get("128MiB", 0) * 1e9) or 50e9
