@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 
 class _Section(BaseModel):
@@ -37,6 +37,10 @@ class PoolRole(StrEnum):
 def _cores_spec(value: Any) -> Any:
     """A core list as vLLM reads it ('0', '0-3', '0,2'): `--set ...cpu_threads=1` arrives as 1."""
     return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+# CPU cores as vLLM's thread binding reads them.
+CoreList = Annotated[str | None, BeforeValidator(_cores_spec)]
 
 
 class ModelConfig(_Section):
@@ -105,7 +109,7 @@ class EngineConfig(_Section):
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine (tensor parallel).")
-    cpu_threads: str | None = Field(
+    cpu_threads: CoreList = Field(
         None, description="CPU cores an engine's threads bind to, e.g. '0-1'. Default on CPU: all "
         "cores of the host (vLLM otherwise uses one).",
     )
@@ -126,11 +130,6 @@ class EngineConfig(_Section):
         default_factory=dict, description="Passed as-is to vLLM's AsyncEngineArgs (escape hatch)."
     )
 
-    @field_validator("cpu_threads", mode="before")
-    @classmethod
-    def _cores(cls, value: Any) -> Any:
-        return _cores_spec(value)
-
 
 class PoolConfig(_Section):
     replicas: int = Field(1, ge=0, description="Engine actors in this pool.")
@@ -142,7 +141,7 @@ class PoolConfig(_Section):
         "engine.tensor_parallel_size. Prefill and decode may differ when the model's KV heads "
         "split evenly over both (decode ranks then pull head slices from the prefill ranks).",
     )
-    cpu_threads: str | None = Field(
+    cpu_threads: CoreList = Field(
         None, description="CPU engines of this pool: the cores their threads bind to (e.g. '0' "
         "for prefill and '1' for decode, so two engines on one host do not share cores); "
         "default: engine.cpu_threads.",
@@ -156,11 +155,6 @@ class PoolConfig(_Section):
         description="Custom Ray resources per engine actor; map pools to `ray up` node types "
         "(e.g. {'pdserve_prefill': 1}).",
     )
-
-    @field_validator("cpu_threads", mode="before")
-    @classmethod
-    def _cores(cls, value: Any) -> Any:
-        return _cores_spec(value)
 
 
 class PoolsConfig(_Section):
