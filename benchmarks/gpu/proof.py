@@ -38,7 +38,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pdserve.testing.server import RunningServer, free_port, start_process  # noqa: E402
+from pdserve.testing.server import RunningServer, free_port, spawn_process, start_process, wait_healthy  # noqa: E402
 
 ISL, OSL = 2048, 256
 TTFT_MS = 500.0
@@ -196,9 +196,11 @@ def start_arm(spec: ArmSpec, model: str, out: Path, mock: bool, gpus: list[str])
             else:
                 command = vllm_command(model, port)
             env = {"CUDA_VISIBLE_DEVICES": str(gpu)}
-            processes.append(start_process(command, port, out / f"vllm{gpu}-server.log", 900, env))
+            processes.append(spawn_process(command, port, out / f"vllm{gpu}-server.log", env))
             commands.append(f"CUDA_VISIBLE_DEVICES={gpu} {shlex.join(command)}")
             backends.append(f"http://127.0.0.1:{port}")
+        for server in processes:  # the engines start side by side, as a pdserve arm's do
+            wait_healthy(server, 900)
         port = free_port()
         proxy = [sys.executable, str(Path(__file__).with_name("rr_proxy.py")), "--port", str(port)]
         proxy += [arg for b in backends for arg in ("--backend", b)]

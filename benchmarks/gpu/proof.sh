@@ -27,7 +27,9 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 [[ -d /tmp/site2 ]] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl/grpcio-*.whl
 export PYTHONPATH=/tmp/site2:/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
-stop_ray() { python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true; }
+# `ray stop` ends every Ray instance on the host: parts running side by side on other GPUs
+# (benchmarks/gpu/x4.sh) set PROOF_KEEP_RAY=1 and stop Ray once they are all done.
+stop_ray() { [[ -n ${PROOF_KEEP_RAY:-} ]] || python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1 || true; }
 for part in "$@"; do
   echo "== $part $(date -u +%H:%M:%S)"
   case $part in

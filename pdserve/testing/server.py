@@ -65,19 +65,31 @@ def start_server(args: list[str], log_path: Path, start_timeout_s: float = 600) 
 def start_process(command: list[str], port: int, log_path: Path, start_timeout_s: float,
                   env: dict[str, str] | None = None) -> RunningServer:
     """Start any OpenAI-compatible server process (pdserve, plain vLLM) and wait for /health."""
+    server = spawn_process(command, port, log_path, env)
+    wait_healthy(server, start_timeout_s)
+    return server
+
+
+def spawn_process(command: list[str], port: int, log_path: Path,
+                  env: dict[str, str] | None = None) -> RunningServer:
+    """Start a server process without waiting for it (several can then start side by side)."""
     log = log_path.open("w")
     process = subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
     )
-    server = RunningServer(process, port, log_path)
+    return RunningServer(process, port, log_path)
+
+
+def wait_healthy(server: RunningServer, start_timeout_s: float) -> None:
+    """Wait until the server's /health answers 200; stop it and raise if it exits or times out."""
     deadline = time.monotonic() + start_timeout_s
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log_tail()}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log_tail()}")
         try:
             if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return server
+                return
         except httpx.HTTPError:
             pass
         time.sleep(1)

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU proof's parts on one 4-GPU host, several at once on disjoint GPUs, one step per device
+# call (a call may run 10 minutes and return 8 files):
+#   benchmarks/gpu/x4.sh MODEL_DIR STEP
+#   a   issue 9's two-GPU arms on one host: pdserve 1P1D then colocated x2 on GPUs 0,1, beside
+#       two plain vLLM engines behind round robin then the KV transfer benchmark on GPUs 2,3
+#   b   issue 7: prefill TP2 -> decode TP1 and its colocated TP1 reference (tp_check.py) on
+#       GPUs 0-2 beside the engine profile for the simulator on GPU 3; then 3P1D on all four
+#   c   the two-GPU baselines' upper rates: pdserve colocated x2 on GPUs 0,1 beside plain vLLM x2
+#       on GPUs 2,3 (10-20 req/s)
+#   d   the same at 24-32 req/s, then 3P1D at 28 and 32 req/s on all four
+# As run on 2026-11-26 (benchmarks/results/gpu/2026-11-26-h200-x4/), a to d back to back on one
+# warm host. Step a's 260 s budget stopped 1P1D after 12 req/s (it started in 143 s and each
+# rate took ~40 s, not the 20 s planned): give an arm ~120 s to start plus ~40 s per rate.
+# Each stream's console goes to $OUT/STEP-STREAM.log; everything is packed into $OUT/STEP.tar.
+# Rates are total req/s; an arm stops after the first rate where no TPOT target reaches 50%.
+set -uo pipefail
+model=${1:?usage: x4.sh MODEL_DIR STEP}; step=${2:?step a, b, c or d}
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+here=$(cd "$(dirname "$0")" && pwd)
+export PYTHONPATH=/tmp/site2:/tmp/site:$PWD
+[[ -d /tmp/site ]] || { cat /tmp/b/part.* | xz -d -T0 | tar -x -C /tmp; }
+[[ -d /tmp/site2 ]] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl/grpcio-*.whl
+export PROOF_ARRIVAL_S=${PROOF_ARRIVAL_S:-8} PROOF_MIN_PROMPTS=${PROOF_MIN_PROMPTS:-50} PROOF_KEEP_RAY=1
+proof() { "$here/proof.sh" "$model" "$@"; }
+stream() { local name=$1; shift; ( "$@" ) >"$out/$step-$name.log" 2>&1 & }
+case $step in
+  a)
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      CUDA_VISIBLE_DEVICES=0,1 PROOF_BUDGET_S=260 proof arm:disagg:8,10,12,14,16,18,20,22
+      CUDA_VISIBLE_DEVICES=0,1 PROOF_BUDGET_S=250 proof arm:colocated:4,6,8,10,12,14,16,18"
+    stream y bash -c "$(declare -f proof); here=$here model=$model
+      CUDA_VISIBLE_DEVICES=2,3 PROOF_BUDGET_S=420 proof arm:vllm:4,6,8,10,12,14,16,18
+      CUDA_VISIBLE_DEVICES=2,3 proof transfer" ;;
+  b)
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      CUDA_VISIBLE_DEVICES=0,1,2 TP_ARMS='p2-d1 colocated-tp1' proof tp"
+    stream y bash -c "$(declare -f proof); here=$here model=$model; PROFILE_GPU=3 proof profile"
+    wait
+    python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
+    stream z bash -c "$(declare -f proof); here=$here model=$model
+      PROOF_BUDGET_S=240 proof arm:3P1D:12,16,20,24,28,32" ;;
+  c)
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      CUDA_VISIBLE_DEVICES=0,1 PROOF_BUDGET_S=420 proof arm:colocated:10,12,14,16,18,20"
+    stream y bash -c "$(declare -f proof); here=$here model=$model
+      CUDA_VISIBLE_DEVICES=2,3 PROOF_BUDGET_S=420 proof arm:vllm:10,12,14,16,18,20" ;;
+  d)
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      CUDA_VISIBLE_DEVICES=0,1 PROOF_BUDGET_S=150 proof arm:colocated:24,28,32"
+    stream y bash -c "$(declare -f proof); here=$here model=$model
+      CUDA_VISIBLE_DEVICES=2,3 PROOF_BUDGET_S=150 proof arm:vllm:24,28,32"
+    wait
+    python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
+    stream z bash -c "$(declare -f proof); here=$here model=$model
+      PROOF_BUDGET_S=160 proof arm:3P1D:28,32" ;;
+  *) echo "unknown step $step"; exit 2 ;;
+esac
+wait
+python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
+tail -n 12 "$out/$step"-*.log
+(cd "$out" && ls | grep -v "^$step.tar$" | tar -cf "$step.tar" -T - && ls | grep -v "^$step.tar$" | xargs rm -rf)
+ls -la "$out"
