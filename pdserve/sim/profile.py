@@ -10,11 +10,17 @@ The profile is the JSON the simulator (and `PerfModel.from_calibration`) reads, 
 - `prefill_batch_tokens_per_s`: "isl{L}_batch{B}" -> prompt tokens per second when B prompts of
   L tokens arrive together (median of `--repeats` after one warm-up batch; informational: on
   the CPU engine the first batch of a new shape was 5-10x slower than later ones);
-- `tpot_ms_by_batch`: batch -> median inter-token latency when B requests decode together (short
-  prompts, `--output-len` tokens, ignore_eos): the decode step time at that batch;
+- `tpot_ms_by_batch`: batch -> median TPOT when B requests decode together (short prompts,
+  `--output-len` tokens, ignore_eos): the decode step time at that batch. Each request's TPOT is
+  (E2EL - TTFT) / (output tokens - 1), not its chunk gaps: pdserve's frontend may carry several
+  tokens in one chunk when steps are a few milliseconds (on an H200 at batch 8, two);
 - `decode_ctx_s_per_token` (with `--context-len L`): the largest batch again with L-token
   prompts (`tpot_ms_by_batch_ctx`); the extra step time over the short prompts, per request and
-  per extra context token, is what attention over the context adds to a decode step;
+  per extra context token, is what attention over the context adds to a decode step. The long
+  prompts are prefilled once first (one output token), so the timed requests find them in the
+  prefix cache and decode together from their first step: otherwise the largest batch's
+  prefill chunks share their steps (an H200 profile so measured read 203 ms per token at
+  128 x 2048 tokens, 30x the attention's real cost);
 - with `--step-trace DIR` (the service runs with `engine.step_trace_dir=DIR` on this host): a
   mixed phase of `--mixed-requests` Poisson arrivals of the profile's prompt lengths, then
   `step_fit`, the step model fitted to the engines' own step traces of this run
@@ -85,7 +91,7 @@ async def measure(endpoint: EndpointConfig, prompt_lens: Sequence[int], batches:
                   mixed_rate: float = 1.0, context_len: int = 0) -> dict[str, Any]:
     """The timing part of a profile (see the module docstring)."""
     rng = np.random.default_rng(seed)
-    raw: dict[str, Any] = {"ttft_s": {}, "prefill_wall_s": None, "itl_s": {}}
+    raw: dict[str, Any] = {"ttft_s": {}, "prefill_wall_s": None, "tpot_s": {}}
     async with OpenAIStreamClient(endpoint, max_connections=max(max(batches), prefill_batch)) as c:
         await _together(c, [_prompt(rng, 16, vocab)] * 2)  # warm-up: first requests are slow
         singles = {}
@@ -106,15 +112,15 @@ async def measure(endpoint: EndpointConfig, prompt_lens: Sequence[int], batches:
                       round(prefill_len * prefill_batch / statistics.median(walls[1:]), 1)}
         tpot = {}
         for batch in batches:
-            gaps = await _decode_gaps(c, rng, batch, SHORT_PROMPT, output_len, vocab)
-            raw["itl_s"][str(batch)] = [round(g, 5) for g in gaps]
-            tpot[str(batch)] = round(statistics.median(gaps) * 1000, 2)
+            tpots = await _decode_tpots(c, rng, batch, SHORT_PROMPT, output_len, vocab)
+            raw["tpot_s"][str(batch)] = [round(t, 5) for t in tpots]
+            tpot[str(batch)] = round(statistics.median(tpots) * 1000, 2)
         context: dict[str, Any] = {}
         if context_len:
             batch = max(batches)
-            gaps = await _decode_gaps(c, rng, batch, context_len, output_len, vocab)
-            raw["itl_s"][f"{batch}@{context_len}"] = [round(g, 5) for g in gaps]
-            long_ms = statistics.median(gaps) * 1000
+            tpots = await _decode_tpots(c, rng, batch, context_len, output_len, vocab)
+            raw["tpot_s"][f"{batch}@{context_len}"] = [round(t, 5) for t in tpots]
+            long_ms = statistics.median(tpots) * 1000
             context = {"tpot_ms_by_batch_ctx": {f"{batch}@{context_len}": round(long_ms, 2)},
                        "decode_ctx_s_per_token": context_cost(tpot[str(batch)], long_ms, batch,
                                                               context_len)}
@@ -133,14 +139,27 @@ def context_cost(short_ms: float, long_ms: float, batch: int, context_len: int) 
     return max((long_ms - short_ms) / 1000 / (batch * (context_len - SHORT_PROMPT)), 0.0)
 
 
-async def _decode_gaps(client: OpenAIStreamClient, rng: np.random.Generator, batch: int,
-                       prompt_len: int, output_len: int, vocab: int) -> list[float]:
-    """Inter-token gaps of `batch` requests decoding together (each one's first gap dropped:
-    it may wait on the others' prefill)."""
-    reqs = [BenchRequest(_prompt(rng, prompt_len, vocab).prompt, prompt_len, output_len)
-            for _ in range(batch)]
-    outcomes, _ = await _together(client, reqs)
-    return [g for o in outcomes for g in o.itls_s[1:]]
+def request_tpots(outcomes: Sequence[RequestOutcome]) -> list[float]:
+    """Seconds per output token after the first, per request: (E2EL - TTFT) / (tokens - 1),
+    right however many tokens each stream chunk carried (requests of one token are left out)."""
+    tpots = []
+    for o in outcomes:
+        tokens = o.output_tokens or o.chunk_count
+        if tokens > 1:
+            tpots.append((o.e2el_s - o.ttft_s) / (tokens - 1))
+    return tpots
+
+
+async def _decode_tpots(client: OpenAIStreamClient, rng: np.random.Generator, batch: int,
+                        prompt_len: int, output_len: int, vocab: int) -> list[float]:
+    """TPOT of each of `batch` requests decoding together. Prompts longer than SHORT_PROMPT are
+    sent once first for one token, so the timed requests find them in the prefix cache and no
+    prefill chunk shares their decode steps."""
+    prompts = [_prompt(rng, prompt_len, vocab).prompt for _ in range(batch)]
+    if prompt_len > SHORT_PROMPT:
+        await _together(client, [BenchRequest(p, prompt_len, 1) for p in prompts])
+    outcomes, _ = await _together(client, [BenchRequest(p, prompt_len, output_len) for p in prompts])
+    return request_tpots(outcomes)
 
 
 async def _mixed(client: OpenAIStreamClient, rng: np.random.Generator, prompt_lens: Sequence[int],

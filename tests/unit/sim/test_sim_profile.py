@@ -60,3 +60,48 @@ def test_the_context_cost_of_a_decode_step():
     p = EngineProfile.from_json({"prefill_tokens_per_s": 400.0, "tpot_ms_by_batch": {"1": 100.0},
                                  "decode_ctx_s_per_token": 3e-5})
     assert p.step_s(0, 8, context_tokens=8 * 300) == pytest.approx(0.100 + 3e-5 * 2400)
+
+
+def test_request_tpot_counts_tokens_not_stream_chunks():
+    from pdserve.bench.client import RequestOutcome
+    from pdserve.sim.profile import request_tpots
+
+    # 9 tokens at 5 ms steps arriving two to a chunk: 5 chunks, gaps of 10 ms, TPOT 5 ms.
+    paired = RequestOutcome(success=True, prompt_len=16, ttft_s=0.1, itls_s=(0.01,) * 4, e2el_s=0.14,
+                            output_tokens=9, chunk_count=5)
+    # No usage from the server: the chunk count is the fallback (one token per chunk here).
+    plain = RequestOutcome(success=True, prompt_len=16, ttft_s=0.1, itls_s=(0.02,) * 3, e2el_s=0.16,
+                           chunk_count=4)
+    single = RequestOutcome(success=True, prompt_len=16, ttft_s=0.1, e2el_s=0.1, output_tokens=1, chunk_count=1)
+    assert request_tpots([paired, plain, single]) == pytest.approx([0.005, 0.02])
+
+
+def test_long_prompts_are_prefilled_once_before_their_decode_is_timed():
+    import asyncio
+
+    import numpy as np
+
+    from pdserve.bench.client import RequestOutcome
+    from pdserve.sim.profile import SHORT_PROMPT, _decode_tpots
+
+    class Client:
+        def __init__(self):
+            self.sent = []
+
+        async def send(self, request):
+            self.sent.append(request)
+            n = request.output_len
+            return RequestOutcome(success=True, prompt_len=request.prompt_len, ttft_s=0.05,
+                                  e2el_s=0.05 + 0.01 * (n - 1), output_tokens=n, chunk_count=n)
+
+    client = Client()
+    tpots = asyncio.run(_decode_tpots(client, np.random.default_rng(0), 3, 512, 8, 30000))
+    assert tpots == pytest.approx([0.01] * 3)
+    warm, timed = client.sent[:3], client.sent[3:]
+    assert [r.output_len for r in warm] == [1] * 3 and [r.output_len for r in timed] == [8] * 3
+    assert [r.prompt for r in timed] == [r.prompt for r in warm]  # the same prompts: cached
+    assert len({r.prompt for r in timed}) == 3
+
+    short = Client()
+    asyncio.run(_decode_tpots(short, np.random.default_rng(0), 3, SHORT_PROMPT, 8, 30000))
+    assert [r.output_len for r in short.sent] == [8] * 3  # one step prefills them all: no warm pass
