@@ -5,6 +5,7 @@ colocated on the same GPUs and against plain vLLM engines behind round robin, on
     python benchmarks/gpu/proof.py run --model DIR --out DIR --arm colocated
     python benchmarks/gpu/proof.py run --model DIR --out DIR --arm 2P2D --rates 16 24 32
     python benchmarks/gpu/proof.py summarize --results DIR  # anywhere: table, plots, summary.json
+    python benchmarks/gpu/proof.py merge a/colocated.json c/colocated.json --out DIR/colocated.json
 
 Arms: `xPyD` (pdserve, x prefill + y decode engines), `colocated-N` (pdserve, N colocated
 engines), `vllm-N` (N plain vLLM servers behind `rr_proxy.py`); the two-GPU names of issue 9 stay:
@@ -409,6 +410,13 @@ def goodput(record: dict, tpot_ms: float) -> float:
     return max(passing, default=0.0)
 
 
+def unbounded(record: dict, tpot_ms: float) -> bool:
+    """Whether the arm's goodput at this target is only a lower bound: its highest measured
+    rate still passed (the arm was not pushed until it failed)."""
+    top = max(record["rates"], key=lambda row: row["rate"])
+    return top["attainment"][f"{tpot_ms:g}"] >= ATTAINMENT
+
+
 def summarize(args: argparse.Namespace) -> int:
     results: Path = args.results
     arms = load_arms(results)
@@ -416,6 +424,7 @@ def summarize(args: argparse.Namespace) -> int:
         name: {f"{x:g}": goodput(record, x) / record["num_gpus"] for x in TPOT_TARGETS_MS}
         for name, record in arms.items()
     }
+    bounds = {name: {f"{x:g}": unbounded(record, x) for x in TPOT_TARGETS_MS} for name, record in arms.items()}
     disagg = [a for a in arms if arm_spec(a).kind == "disagg"]
     baselines = [b for kind in ("colocated", "vllm") for b in arms if arm_spec(b).kind == kind]
     pairs = [(d, b) for d in disagg for b in baselines]
@@ -424,12 +433,14 @@ def summarize(args: argparse.Namespace) -> int:
     lines.append("|---" * (len(arms) + len(pairs) + 1) + "|")
     for x in TPOT_TARGETS_MS:
         key = f"{x:g}"
-        cells = [f"{table[a][key]:g}" for a in arms] + [_ratio(table, d, b, key) for d, b in pairs]
+        cells = [(">= " if bounds[a][key] else "") + f"{table[a][key]:g}" for a in arms]
+        cells += [_ratio(table, bounds, d, b, key) for d, b in pairs]
         lines.append(f"| <= {key} ms | " + " | ".join(cells) + " |")
-    text = "Per-GPU goodput (req/s per GPU; TTFT <= 500 ms and TPOT <= target for >= 90% of requests)\n"
+    text = ("Per-GPU goodput (req/s per GPU; TTFT <= 500 ms and TPOT <= target for >= 90% of requests;"
+            " '>=': the arm's highest measured rate still passed)\n")
     text += "\n".join(lines)
     print(text)
-    summary = {"goodput_per_gpu": table, "table_markdown": "\n".join(lines), "arms": {}}
+    summary = {"goodput_per_gpu": table, "lower_bound": bounds, "table_markdown": "\n".join(lines), "arms": {}}
     for name, record in arms.items():
         summary["arms"][name] = {
             "label": record["label"],
@@ -467,12 +478,18 @@ def load_arms(results: Path) -> dict[str, dict]:
         order[arm_spec(item[0]).kind], -arm_spec(item[0]).prefill, arm_spec(item[0]).num_gpus)))
 
 
-def _ratio(table: dict, num: str, den: str, key: str) -> str:
+def _ratio(table: dict, bounds: dict, num: str, den: str, key: str) -> str:
+    """num / den at one target; '>=' or '<=' where one side is only a lower bound, '?' where
+    both are."""
     if num not in table or den not in table:
         return "n/a"
+    num_open, den_open = bounds[num][key], bounds[den][key]
     if table[den][key] == 0:
         return "inf" if table[num][key] > 0 else "n/a (both 0)"
-    return f"{table[num][key] / table[den][key]:.2f}x"
+    ratio = f"{table[num][key] / table[den][key]:.2f}x"
+    if num_open and den_open:
+        return f"? ({ratio} at the rates measured)"
+    return (">= " if num_open else "<= " if den_open else "") + ratio
 
 
 def _rate_row(row: dict) -> dict:
@@ -531,6 +548,37 @@ def plot(arms: dict, results: Path) -> None:
     fig.savefig(results / "goodput.png", dpi=110)
 
 
+def merge(args: argparse.Namespace) -> int:
+    """One arm's records from several starts on the same host (e.g. its rates split over device
+    calls) into one record: rates in order, each start's time and commands kept under `runs`.
+    A rate measured by more than one start keeps the first record's row (in the order given);
+    the others go to `repeats`."""
+    records = [json.loads(Path(p).read_text()) for p in args.records]
+    names = {r["arm"] for r in records}
+    if len(names) != 1:
+        raise SystemExit(f"records of different arms: {sorted(names)}")
+    kept: dict[float, dict] = {}
+    repeats = []  # a rate measured again by a later start: kept aside, it shows run-to-run noise
+    for path, record in zip(args.records, records, strict=True):
+        for row in record["rates"]:
+            if row["rate"] in kept:
+                repeats.append({"source": str(path), **row})
+            else:
+                kept[row["rate"]] = row
+    rows = [kept[rate] for rate in sorted(kept)]
+    rates = sorted(kept)
+    merged = {**records[0], "rates": rows, "repeats": repeats, "skipped_rates": records[-1]["skipped_rates"],
+              "start_s": min(r["start_s"] for r in records),
+              "pull_log_ms": [p for r in records for p in r.get("pull_log_ms", [])],
+              "runs": [{"source": str(p), "start_s": r["start_s"], "commands": r["commands"],
+                        "rates": [row["rate"] for row in r["rates"]], "skipped_rates": r["skipped_rates"]}
+                       for p, r in zip(args.records, records, strict=True)]}
+    args.out.write_text(json.dumps(merged))
+    print(f"{merged['arm']}: rates {rates} from {len(records)} starts"
+          + (f" ({len(repeats)} repeated rates kept aside)" if repeats else "") + f" -> {args.out}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -547,7 +595,12 @@ def main() -> int:
     summary = commands.add_parser("summarize", help="goodput table and plots from the arms' JSON")
     summary.add_argument("--results", type=Path, required=True)
     summary.add_argument("--no-plots", action="store_true")
+    joined = commands.add_parser("merge", help="one arm's records from several starts into one")
+    joined.add_argument("records", type=Path, nargs="+", help="ARM.json files of the same arm")
+    joined.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.command == "merge":
+        return merge(args)
     if args.command == "run":
         try:
             args.arm_spec = arm_spec(args.arm)

@@ -61,3 +61,47 @@ def test_goodput_is_per_gpu_and_each_disaggregated_arm_is_compared_with_each_bas
     table = summary["table_markdown"]
     assert "2P2D / colocated-4" in table and "2P2D / vllm-4" in table
     assert "| <= 10 ms | 5 | 4 | 0 | 1.25x | inf |" in table
+    # colocated-4 still passed 20 ms at its highest rate, 24 (6 per GPU): only a lower bound.
+    assert summary["lower_bound"]["colocated-4"] == {"8": False, "10": False, "20": False}
+    assert "| <= 20 ms | 7 | 6 | 4 | 1.17x | 1.75x |" in table
+
+
+def test_a_goodput_not_pushed_to_failure_is_a_lower_bound_and_so_is_its_ratio(tmp_path, capsys):
+    records = [
+        _record("disagg", 2, [(8, 1.0, 1.0, 1.0), (12, 0.95, 1.0, 1.0)]),  # never failed
+        _record("colocated", 2, [(10, 1.0, 1.0, 1.0), (12, 0.5, 1.0, 1.0), (16, 0.1, 0.5, 0.95)]),
+    ]
+    for record in records:
+        (tmp_path / f"{record['arm']}.json").write_text(json.dumps(record))
+    assert proof.summarize(argparse.Namespace(results=tmp_path, no_plots=True)) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["lower_bound"]["disagg"] == {"8": True, "10": True, "20": True}
+    table = summary["table_markdown"]
+    assert "| <= 8 ms | >= 6 | 5 | >= 1.20x |" in table
+    assert "| <= 10 ms | >= 6 | 6 | >= 1.00x |" in table
+    assert "| <= 20 ms | >= 6 | >= 8 | ? (0.75x at the rates measured) |" in table
+
+
+def test_merge_joins_one_arms_rates_from_several_starts(tmp_path):
+    first = _record("colocated", 2, [(4, 1, 1, 1), (8, 1, 1, 1)])
+    second = {**_record("colocated", 2, [(10, 1, 1, 1), (12, 0.5, 1, 1)]), "start_s": 75.0}
+    paths = []
+    for i, record in enumerate((second, first)):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(record))
+    out = tmp_path / "colocated.json"
+    assert proof.merge(argparse.Namespace(records=paths, out=out)) == 0
+    merged = json.loads(out.read_text())
+    assert [row["rate"] for row in merged["rates"]] == [4, 8, 10, 12]
+    assert [run["rates"] for run in merged["runs"]] == [[10, 12], [4, 8]]
+    assert merged["start_s"] == 75.0
+    (tmp_path / "other.json").write_text(json.dumps(_record("vllm", 2, [(4, 1, 1, 1)])))
+    with pytest.raises(SystemExit, match="different arms"):
+        proof.merge(argparse.Namespace(records=[paths[0], tmp_path / "other.json"], out=out))
+    # A rate measured twice keeps the first row given; the other is kept aside as a repeat.
+    again = tmp_path / "again.json"
+    again.write_text(json.dumps(_record("colocated", 2, [(12, 0.7, 1, 1), (14, 0.2, 1, 1)])))
+    assert proof.merge(argparse.Namespace(records=[paths[0], again], out=out)) == 0
+    merged = json.loads(out.read_text())
+    assert [(row["rate"], row["attainment"]["8"]) for row in merged["rates"]] == [(10, 1), (12, 0.5), (14, 0.2)]
+    assert [(row["rate"], row["attainment"]["8"]) for row in merged["repeats"]] == [(12, 0.7)]
