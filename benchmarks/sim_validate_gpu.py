@@ -55,6 +55,8 @@ class Arm:
     @property
     def topology_flags(self) -> list[str]:
         """`pdserve sim run` topology flags for the arm's `pdserve serve` command line."""
+        if self.record.get("kind") == "vllm":  # N plain vLLM engines behind round robin
+            return ["--mode", "colocated", "--replicas", str(self.record["num_gpus"])]
         serve = shlex.split(self.record["commands"][0])
         if "disaggregated" in serve:
             return ["--prefill", _flag(serve, "--prefill"), "--decode", _flag(serve, "--decode")]
