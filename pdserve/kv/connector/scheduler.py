@@ -176,9 +176,10 @@ class SchedulerSide:
         Called by vLLM's scheduler once per engine step, after every allocation of the step
         (`scheduled`: the step's requests, via compat.iter_scheduled). Pins a prefill request
         whose prompt completes in this step, so its blocks are servable before its first token
-        leaves the engine. Never blocks.
+        leaves the engine. Never blocks. A decode engine tracks no prefills, so it never walks
+        `scheduled` (a generator): at a batch of 100 that walk cost ~270 us a step on a slow CPU.
         """
-        for item in scheduled:
+        for item in scheduled if self._prefills else ():
             track = self._prefills.get(item.request_id)
             if track is None:
                 continue

@@ -256,3 +256,15 @@ def test_decode_only_engine_frees_prefill_requests_at_once() -> None:
     side.update_state_after_alloc(request, blocks(3), 0)
     assert side.request_finished(request, blocks(3)) == (False, None)
     assert side.build_step_plan([], 0).is_empty
+
+
+def test_a_step_plan_without_tracked_prefills_does_not_walk_the_scheduled_requests() -> None:
+    """A decode engine's plan is built every step over its whole batch; with no prefill to pin
+    it must not touch the (lazily built) list of scheduled requests."""
+    side = scheduler_side()
+
+    def scheduled():
+        raise AssertionError("walked the scheduled requests")
+        yield  # pragma: no cover
+
+    assert side.build_step_plan(scheduled(), 100).num_scheduled_tokens == 100
