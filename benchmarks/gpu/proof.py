@@ -7,10 +7,11 @@ colocated on the same GPUs and against plain vLLM engines behind round robin, on
     python benchmarks/gpu/proof.py summarize --results DIR  # anywhere: table, plots, summary.json
     python benchmarks/gpu/proof.py merge a/colocated.json c/colocated.json --out DIR/colocated.json
 
-Arms: `xPyD` (pdserve, x prefill + y decode engines), `colocated-N` (pdserve, N colocated
-engines), `vllm-N` (N plain vLLM servers behind `rr_proxy.py`); the two-GPU names of issue 9 stay:
-`disagg` = 1P1D, `colocated` = colocated-2, `vllm` = vllm-2. An arm uses the first GPUs of
-CUDA_VISIBLE_DEVICES (or `--gpus`).
+Arms: `xPyD` (pdserve, x prefill + y decode engines, KV over NCCL; `xPyD-grpc` over gRPC),
+`colocated-N` (pdserve, N colocated engines), `vllm-N` (N plain vLLM servers behind
+`rr_proxy.py`); the two-GPU names of issue 9 stay: `disagg` = 1P1D, `colocated` = colocated-2,
+`vllm` = vllm-2. An arm uses the first GPUs of CUDA_VISIBLE_DEVICES (or `--gpus`). With
+PROOF_STEP_TRACE=DIR a pdserve arm's engines write their step traces to DIR/ARM-steps/.
 
 `run` serves one arm with the same engine settings as every other arm (ENGINE below), sends the
 same workload at each rate (random token-id prompts of ISL tokens, OSL output tokens with
@@ -74,7 +75,7 @@ LABELS = {
     "vllm": "2 x vLLM + round robin",
 }
 _LEGACY = {"disagg": "1P1D", "colocated": "colocated-2", "vllm": "vllm-2"}
-_SPEC = re.compile(r"^(?:(\d+)P(\d+)D|(colocated|vllm)-(\d+))$")
+_SPEC = re.compile(r"^(?:(\d+)P(\d+)D(?:-(grpc|nccl))?|(colocated|vllm)-(\d+))$")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class ArmSpec:
     prefill: int = 0
     decode: int = 0
     engines: int = 0
+    transport: str = "nccl"  # disaggregated arms: how the KV moves (`2P2D-grpc`)
 
     @property
     def num_gpus(self) -> int:
@@ -96,7 +98,7 @@ class ArmSpec:
         if self.name in LABELS:
             return LABELS[self.name]
         if self.kind == "disagg":
-            return f"pdserve {self.prefill}P{self.decode}D (NCCL)"
+            return f"pdserve {self.prefill}P{self.decode}D ({'NCCL' if self.transport == 'nccl' else 'gRPC'})"
         if self.kind == "colocated":
             return f"pdserve colocated x{self.engines}"
         return f"{self.engines} x vLLM + round robin"
@@ -107,10 +109,10 @@ def arm_spec(name: str) -> ArmSpec:
     match = _SPEC.match(_LEGACY.get(name, name))
     if match is None:
         raise argparse.ArgumentTypeError(
-            f"arm {name!r}: expected xPyD, colocated-N, vllm-N, or one of {', '.join(_LEGACY)}")
-    prefill, decode, kind, engines = match.groups()
+            f"arm {name!r}: expected xPyD (or xPyD-grpc), colocated-N, vllm-N, or one of {', '.join(_LEGACY)}")
+    prefill, decode, transport, kind, engines = match.groups()
     if kind is None:
-        spec = ArmSpec(name, "disagg", int(prefill), int(decode))
+        spec = ArmSpec(name, "disagg", int(prefill), int(decode), transport=transport or "nccl")
     else:
         spec = ArmSpec(name, kind, engines=int(engines))
     if spec.num_gpus < 1 or (spec.kind == "disagg" and min(spec.prefill, spec.decode) < 1):
@@ -176,11 +178,13 @@ def start_arm(spec: ArmSpec, model: str, out: Path, mock: bool, gpus: list[str])
     if spec.kind in ("disagg", "colocated"):
         mode = (
             ["--mode", "disaggregated", "--prefill", str(spec.prefill), "--decode", str(spec.decode),
-             "--transport", "nccl"]
+             "--transport", spec.transport]
             if spec.kind == "disagg"
             else ["--mode", "colocated", "--replicas", str(spec.engines)]
         )  # fmt: skip
         args = [*pdserve_args(model, mock), *mode]
+        if trace := os.environ.get("PROOF_STEP_TRACE"):  # every engine's steps, for the record
+            args += ["--set", f"engine.step_trace_dir={trace}/{name}-steps"]
         port = free_port()
         command = [sys.executable, "-m", "pdserve", "serve", "--port", str(port), *args]
         env = {} if mock else {"CUDA_VISIBLE_DEVICES": visible}

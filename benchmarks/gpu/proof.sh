@@ -2,8 +2,10 @@
 # GPU proof (issues 9 and 7) on a 2- or 4-GPU host with the vLLM 0.24 + Ray bundle parts in /tmp/b:
 #   benchmarks/gpu/proof.sh MODEL_DIR PART...
 #   PART: transfer | disagg | colocated | vllm          issue 9's two-GPU parts
-#         arm:NAME:R1,R2,...                          any arm of proof.py (2P2D, colocated-4, vllm-4)
-#                                                     at these total rates (req/s)
+#         arm:NAME:R1,R2,...                          any arm of proof.py (2P2D, 2P2D-grpc,
+#                                                     colocated-4, vllm-4) at these total rates
+#                                                     (req/s); PROOF_STEP_TRACE=$OUT keeps the
+#                                                     engines' step traces in ARM-raw.tar.xz
 #         profile                                     one engine on the last GPU, measured by
 #                                                     `pdserve sim profile --step-trace` (the
 #                                                     simulator's input, with the engine's step fit)
@@ -46,7 +48,8 @@ for part in "$@"; do
         --budget-s "${PROOF_BUDGET_S:-300}" --arrival-s "${PROOF_ARRIVAL_S:-12}" \
         --min-prompts "${PROOF_MIN_PROMPTS:-80}" ${rates[@]:+--rates "${rates[@]}"} ${PROOF_MOCK:+--mock} || echo "$name failed: $?"
       [[ $name == vllm* ]] || stop_ray  # plain vLLM runs no Ray (another part's Ray may be up)
-      logs=$(cd "$out" && ls "$name-server.log" 2>/dev/null; [[ $name != vllm* ]] || ls vllm[0-9]*-server.log proxy.log 2>/dev/null)
+      logs=$(cd "$out" && ls "$name-server.log" 2>/dev/null; [[ $name != vllm* ]] || ls vllm[0-9]*-server.log proxy.log 2>/dev/null
+             ls -d "$name-steps" 2>/dev/null)  # PROOF_STEP_TRACE=$out: the engines' step traces
       tar -cJf "$out/$name-raw.tar.xz" -C "$out" "$name-raw" $logs
       (cd "$out" && rm -rf "$name-raw" $logs) ;;
     profile)

@@ -9,13 +9,19 @@
 #   c   the two-GPU baselines' upper rates: pdserve colocated x2 on GPUs 0,1 beside plain vLLM x2
 #       on GPUs 2,3 (10-20 req/s)
 #   d   the same at 24-32 req/s, then 3P1D at 28 and 32 req/s on all four
+#   e   (next session) 1P1D past its knee, and the bimodal disaggregated TTFT: 1P1D over NCCL
+#       at 12-22 req/s on GPUs 0,1 beside 1P1D over gRPC at 8-12 on GPUs 2,3, both with step
+#       traces; then the fixed engine profile on GPU 3
+#   f   (next session) colocated x4 with the one-stream frontend, 12-36 req/s
+#   g   (next session) 2P2D and 1P3D with the one-stream frontend
+#   h   (next session) the autoscaler ramp with a warm-up phase and longer phases
 # As run on 2026-11-26 (benchmarks/results/gpu/2026-11-26-h200-x4/), a to d back to back on one
 # warm host. Step a's 260 s budget stopped 1P1D after 12 req/s (it started in 143 s and each
 # rate took ~40 s, not the 20 s planned): give an arm ~120 s to start plus ~40 s per rate.
 # Each stream's console goes to $OUT/STEP-STREAM.log; everything is packed into $OUT/STEP.tar.
 # Rates are total req/s; an arm stops after the first rate where no TPOT target reaches 50%.
 set -uo pipefail
-model=${1:?usage: x4.sh MODEL_DIR STEP}; step=${2:?step a, b, c or d}
+model=${1:?usage: x4.sh MODEL_DIR STEP}; step=${2:?step a to h}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH=/tmp/site2:/tmp/site:$PWD
@@ -54,6 +60,23 @@ case $step in
     python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
     stream z bash -c "$(declare -f proof); here=$here model=$model
       PROOF_BUDGET_S=160 proof arm:3P1D:28,32" ;;
+  e)
+    export PROOF_STEP_TRACE=$out
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      CUDA_VISIBLE_DEVICES=0,1 PROOF_BUDGET_S=420 proof arm:disagg:12,14,16,18,20,22"
+    stream y bash -c "$(declare -f proof); here=$here model=$model
+      CUDA_VISIBLE_DEVICES=2,3 PROOF_BUDGET_S=260 proof arm:1P1D-grpc:8,10,12
+      PROFILE_GPU=3 proof profile" ;;
+  f)
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      PROOF_BUDGET_S=500 proof arm:colocated-4:12,16,20,24,28,32,36" ;;
+  g)
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      PROOF_BUDGET_S=260 proof arm:2P2D:16,20,24,28,32
+      PROOF_BUDGET_S=260 proof arm:1P3D:12,16,20,24" ;;
+  h)
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      RAMP_PHASES=4:20:warmup,6:60:low,14:60:mid,26:150:high,6:90:after proof ramp" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
 wait

@@ -20,16 +20,17 @@ _spec.loader.exec_module(proof)
 @pytest.mark.parametrize(
     ("name", "kind", "prefill", "decode", "gpus"),
     [("2P2D", "disagg", 2, 2, 4), ("1P3D", "disagg", 1, 3, 4), ("colocated-4", "colocated", 0, 0, 4),
-     ("vllm-4", "vllm", 0, 0, 4), ("disagg", "disagg", 1, 1, 2), ("colocated", "colocated", 0, 0, 2)],
+     ("vllm-4", "vllm", 0, 0, 4), ("disagg", "disagg", 1, 1, 2), ("colocated", "colocated", 0, 0, 2),
+     ("3P1D-grpc", "disagg", 3, 1, 4)],
 )
 def test_arm_names_parse_to_engine_counts(name, kind, prefill, decode, gpus):
     spec = proof.arm_spec(name)
     assert (spec.kind, spec.prefill, spec.decode, spec.num_gpus) == (kind, prefill, decode, gpus)
 
 
-@pytest.mark.parametrize("name", ["0P2D", "2P0D", "colocated-0", "2P2", "tp2", ""])
+@pytest.mark.parametrize("name", ["0P2D", "2P0D", "colocated-0", "2P2", "tp2", "", "2P2D-rdma", "colocated-2-grpc"])
 def test_bad_arm_names_are_refused_with_the_forms_allowed(name):
-    with pytest.raises(argparse.ArgumentTypeError, match="xPyD, colocated-N, vllm-N"
+    with pytest.raises(argparse.ArgumentTypeError, match=r"xPyD \(or xPyD-grpc\), colocated-N, vllm-N"
                        if name not in ("0P2D", "2P0D", "colocated-0") else "at least one"):
         proof.arm_spec(name)
 
@@ -105,3 +106,28 @@ def test_merge_joins_one_arms_rates_from_several_starts(tmp_path):
     merged = json.loads(out.read_text())
     assert [(row["rate"], row["attainment"]["8"]) for row in merged["rates"]] == [(10, 1), (12, 0.5), (14, 0.2)]
     assert [(row["rate"], row["attainment"]["8"]) for row in merged["repeats"]] == [(12, 0.7)]
+
+
+def test_a_grpc_arm_serves_with_the_grpc_transport_and_says_so():
+    nccl, grpc = proof.arm_spec("3P1D"), proof.arm_spec("3P1D-grpc")
+    assert (nccl.transport, grpc.transport) == ("nccl", "grpc")
+    assert nccl.label == "pdserve 3P1D (NCCL)" and grpc.label == "pdserve 3P1D (gRPC)"
+
+
+def test_an_arm_is_served_with_its_transport_and_the_step_trace_when_asked(tmp_path, monkeypatch):
+    started = []
+
+    def fake_start(command, port, log_path, timeout_s, env=None):
+        started.append((command, env))
+        return argparse.Namespace(base_url=f"http://127.0.0.1:{port}")
+
+    monkeypatch.setattr(proof, "start_process", fake_start)
+    monkeypatch.setenv("PROOF_STEP_TRACE", str(tmp_path))
+    proof.start_arm(proof.arm_spec("3P1D-grpc"), "model", tmp_path, False, ["0", "1", "2", "3"])
+    monkeypatch.delenv("PROOF_STEP_TRACE")
+    proof.start_arm(proof.arm_spec("1P1D"), "model", tmp_path, False, ["0", "1"])
+    (grpc, env), (nccl, _) = started
+    assert grpc[grpc.index("--transport") + 1] == "grpc" and nccl[nccl.index("--transport") + 1] == "nccl"
+    assert f"engine.step_trace_dir={tmp_path}/3P1D-grpc-steps" in grpc
+    assert not any(arg.startswith("engine.step_trace_dir") for arg in nccl)
+    assert env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
