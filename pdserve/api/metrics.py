@@ -21,6 +21,9 @@ _TPOT_BUCKETS = (0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1
 # One 2048-token Llama-8B request is 256 MiB: ~0.7 ms over NVLink, ~1 s over a slow network.
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                      5.0, 10.0)
+# Finer than TTFT's: an engine's share is tens of milliseconds on a GPU, and its modes matter.
+_ENGINE_FIRST_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                         2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
@@ -37,6 +40,13 @@ class ServingMetrics:
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds",
                              "Time from request arrival to its last token.",
                              ["pool"], buckets=_E2E_BUCKETS, registry=r)
+        self.engine_first_output = Histogram(
+            "pdserve_engine_time_to_first_output_seconds",
+            "Time from a request's arrival at its engine to the engine's first output (per leg: "
+            "a disaggregated request counts once in prefill and once in decode, where it is the "
+            "KV pull plus one step); pdserve_time_to_first_token_seconds minus this is Ray, the "
+            "frontend and, for a decode leg, the prefill leg.",
+            ["pool"], buckets=_ENGINE_FIRST_BUCKETS, registry=r)
         self.requests = Counter("pdserve_requests_total", "Finished requests by outcome.",
                                 ["pool", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens processed.",
@@ -118,6 +128,8 @@ class ServingMetrics:
             self.engine_aborted.labels(s.pool, s.replica_id).set(s.num_aborted_total)
             self.engine_finished.labels(s.pool, s.replica_id).set(s.num_finished_total)
             self._observe_transfers(s)
+            for seconds in s.first_output_seconds:
+                self.engine_first_output.labels(s.pool).observe(seconds)
         for pool in running:
             self.running.labels(pool).set(running[pool])
             self.waiting.labels(pool).set(waiting[pool])

@@ -18,7 +18,8 @@ import asyncio
 import dataclasses
 import logging
 import os
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -72,6 +73,9 @@ class EngineActor:
         # Aborts that arrived before their request's submit (an async actor may run a caller's
         # calls out of order): the late submit is dropped instead of running unobserved.
         self._aborted_early: OrderedDict[str, None] = OrderedDict()
+        # Arrival -> first output of each request, drained by `stats()`: the engine's share of
+        # TTFT, to set beside the frontend's (the rest is Ray, the frontend and the network).
+        self._first_output_s: deque[float] = deque(maxlen=4096)
 
     async def start(self) -> EngineInfo:
         """Build the engine; called once by the driver, may take minutes."""
@@ -86,7 +90,7 @@ class EngineActor:
         if request.request_id in self._aborted_early:
             del self._aborted_early[request.request_id]
             return  # aborted before it arrived: nobody listens for it
-        task = asyncio.get_running_loop().create_task(self._run(request))
+        task = asyncio.get_running_loop().create_task(self._run(request, time.monotonic()))
         self._running[request.request_id] = task
 
     async def outputs(self) -> AsyncIterator[list[EngineOutput]]:
@@ -109,11 +113,15 @@ class EngineActor:
             if item is None:
                 return
 
-    async def _run(self, request: GenerateRequest) -> None:
+    async def _run(self, request: GenerateRequest, arrived: float) -> None:
         rid = request.request_id
         failure: GenerateFailure | None = GenerateFailure(rid)
+        first = True
         try:
             async for delta in self._engine.generate(request):
+                if first and delta.token_ids:
+                    self._first_output_s.append(time.monotonic() - arrived)
+                    first = False
                 self._emit(delta)
                 if delta.finished:
                     failure = None
@@ -148,7 +156,9 @@ class EngineActor:
                 self._aborted_early.popitem(last=False)
 
     async def stats(self) -> EngineStats:
-        return self._engine.stats()
+        firsts = tuple(self._first_output_s)
+        self._first_output_s.clear()
+        return dataclasses.replace(self._engine.stats(), first_output_seconds=firsts)
 
     async def shutdown(self) -> None:
         for task in list(self._running.values()):

@@ -66,6 +66,9 @@ class EngineStats:
     kv_transfer_bytes_total: int = 0
     kv_transfer_failures_total: int = 0
     kv_transfer_seconds: tuple[float, ...] = ()  # durations finished since the previous stats call
+    # Seconds from a request's arrival at the engine's actor to its first output, for requests
+    # that produced one since the previous stats call (set by EngineActor, not by engines).
+    first_output_seconds: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

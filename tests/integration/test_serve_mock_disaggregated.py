@@ -78,6 +78,12 @@ def test_sixteen_concurrent_requests_over_1p2d_match_colocated(server):
         t, "pdserve_kv_transfer_bytes_total", transport="mock") or 0) >= pulled)
     assert metric_value(text, "pdserve_kv_transfer_bytes_total", transport="mock") == pulled
     assert metric_value(text, "pdserve_kv_transfer_seconds_count", transport="mock") == 16
+    # Each leg's engine-side first output, per pool: a prefill and a decode leg per request.
+    text = wait_for_metrics(server.base_url, lambda t: all((metric_value(
+        t, "pdserve_engine_time_to_first_output_seconds_count", pool=pool) or 0) >= 16
+        for pool in ("prefill", "decode")))
+    for pool in ("prefill", "decode"):
+        assert metric_value(text, "pdserve_engine_time_to_first_output_seconds_sum", pool=pool) > 0
 
 
 def test_streaming_sends_the_prefill_token_first(server):

@@ -214,3 +214,21 @@ async def test_an_abort_that_overtakes_its_submit_keeps_the_request_from_running
     batch = await actor.outputs().__anext__()
     assert {d.request_id for d in batch} == {"other"}
     await actor.shutdown()
+
+
+async def test_the_actor_reports_each_requests_engine_side_first_output_once(served):
+    from prometheus_client import generate_latest
+
+    from pdserve.api.metrics import ServingMetrics
+
+    actor, _, outputs = served
+    before = await actor.stats()  # drains whatever came before
+    assert before.first_output_seconds == ()
+    await asyncio.gather(*(run(actor, outputs, request(f"f{i}", 4)) for i in range(3)))
+    stats = await actor.stats()
+    assert len(stats.first_output_seconds) == 3 and all(s > 0 for s in stats.first_output_seconds)
+    assert (await actor.stats()).first_output_seconds == ()  # drained: each counted once
+    metrics = ServingMetrics()
+    metrics.update_engines([stats], ["colocated"])
+    text = generate_latest(metrics.registry).decode()
+    assert 'pdserve_engine_time_to_first_output_seconds_count{pool="colocated"} 3.0' in text
