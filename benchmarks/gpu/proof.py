@@ -40,7 +40,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pdserve.testing.server import RunningServer, free_port, spawn_process, start_process, wait_healthy  # noqa: E402
+from pdserve.testing.server import (  # noqa: E402
+    RunningServer, free_port, metric_value, spawn_process, start_process, wait_healthy)
 
 ISL, OSL = 2048, 256
 TTFT_MS = 500.0
@@ -253,8 +254,14 @@ def attainment(requests: dict[str, list], tpot_ms: float) -> float:
     return met / max(1, len(requests["ok"]))
 
 
+_FIRST_OUTPUT = "pdserve_engine_time_to_first_output_seconds"
+_FIRST_OUTPUT_LE = ("0.05", "0.075", "0.1", "0.15", "0.2", "0.3", "0.5")
+
+
 def kv_counters(arm: Arm) -> dict[str, float | None]:
-    """The KV transfer counters of a pdserve arm (None elsewhere)."""
+    """The KV transfer counters of a pdserve arm (None elsewhere), and per pool its engines'
+    first-output histogram (count, sum, and the cumulative counts at a few bounds, `le0.1_prefill`):
+    the engine's share of TTFT, per leg."""
     if not arm.pdserve:
         return {}
     text = httpx.get(f"{arm.base_url}/metrics", timeout=10).text
@@ -264,7 +271,29 @@ def kv_counters(arm: Arm) -> dict[str, float | None]:
         "bytes": "pdserve_kv_transfer_bytes_total",
         "failures": "pdserve_kv_transfer_failures_total",
     }
-    return {key: metric_sum(text, name) for key, name in names.items()}
+    counters = {key: metric_sum(text, name) for key, name in names.items()}
+    for pool in ("prefill", "decode", "colocated"):
+        count = metric_value(text, f"{_FIRST_OUTPUT}_count", pool=pool)
+        if count is None:
+            continue
+        counters[f"first_output_count_{pool}"] = count
+        counters[f"first_output_sum_{pool}"] = metric_value(text, f"{_FIRST_OUTPUT}_sum", pool=pool)
+        for le in _FIRST_OUTPUT_LE:
+            counters[f"first_output_le{le}_{pool}"] = metric_value(text, f"{_FIRST_OUTPUT}_bucket", pool=pool, le=le)
+    return counters
+
+
+def _counters_line(counters: dict) -> str:
+    """KV pulls and each pool's engine first output, for the console."""
+    parts = []
+    if counters.get("pulls"):
+        parts.append(f"{counters['pulls']:.0f} KV pulls, {counters['seconds'] / counters['pulls'] * 1e3:.1f} ms mean")
+    for pool in ("prefill", "decode", "colocated"):
+        count = counters.get(f"first_output_count_{pool}")
+        if count:
+            parts.append(f"{pool} engine first output {counters[f'first_output_sum_{pool}'] / count * 1e3:.0f} ms mean, "
+                         f"{counters.get(f'first_output_le0.075_{pool}', 0) / count:.0%} <= 75 ms")
+    return "; ".join(parts) or "no engine counters"
 
 
 def metric_sum(text: str, name: str) -> float | None:
@@ -375,7 +404,7 @@ def run_arm(args: argparse.Namespace) -> int:
                 f"{b['request_throughput']:.2f} req/s, TTFT p90 {b['p90_ttft_ms']:.0f} ms, "
                 f"TPOT p90 {b['p90_tpot_ms']:.1f} ms, attainment "
                 + " ".join(f"{k}ms={v:.2f}" for k, v in row["attainment"].items())
-                + (f", kv {row['kv']}" if "kv" in row else ""),
+                + (f", {_counters_line(row['kv'])}" if "kv" in row else ""),
                 flush=True,
             )
             if max(row["attainment"].values()) < 0.5:  # past the knee for every target
@@ -508,6 +537,10 @@ def _rate_row(row: dict) -> dict:
     }
     if row.get("kv") and row["kv"].get("pulls"):
         out["kv_pull_ms_mean"] = row["kv"]["seconds"] / row["kv"]["pulls"] * 1e3
+    for pool in ("prefill", "decode", "colocated"):
+        count = (row.get("kv") or {}).get(f"first_output_count_{pool}")
+        if count:
+            out[f"engine_first_output_ms_mean_{pool}"] = row["kv"][f"first_output_sum_{pool}"] / count * 1e3
     return out
 
 

@@ -131,3 +131,24 @@ def test_an_arm_is_served_with_its_transport_and_the_step_trace_when_asked(tmp_p
     assert f"engine.step_trace_dir={tmp_path}/3P1D-grpc-steps" in grpc
     assert not any(arg.startswith("engine.step_trace_dir") for arg in nccl)
     assert env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+
+
+def test_an_arms_counters_carry_each_pools_engine_first_output(monkeypatch):
+    from prometheus_client import generate_latest
+
+    from pdserve.api.metrics import ServingMetrics
+    from pdserve.engine.types import EngineStats
+
+    metrics = ServingMetrics()
+    metrics.update_engines([EngineStats("prefill-0", "prefill", first_output_seconds=(0.06, 0.11, 0.12)),
+                            EngineStats("decode-0", "decode", first_output_seconds=(0.004,))],
+                           ["prefill", "decode"])
+    text = generate_latest(metrics.registry).decode()
+    monkeypatch.setattr(proof.httpx, "get", lambda url, timeout: argparse.Namespace(text=text))
+    arm = proof.Arm("1P1D", "http://x", [], [], pdserve=True)
+    counters = proof.kv_counters(arm)
+    assert counters["first_output_count_prefill"] == 3 and counters["first_output_le0.075_prefill"] == 1
+    assert counters["first_output_le0.15_prefill"] == 3 and counters["first_output_count_decode"] == 1
+    assert "first_output_count_colocated" not in counters
+    line = proof._counters_line(counters)
+    assert "prefill engine first output 97 ms mean, 33% <= 75 ms" in line and "decode engine" in line
