@@ -113,6 +113,11 @@ class EngineConfig(_Section):
         None, description="CPU cores an engine's threads bind to, e.g. '0-1'. Default on CPU: all "
         "cores of the host (vLLM otherwise uses one).",
     )
+    split_cpu_cores: bool = Field(
+        True, description="CPU engines of a local Ray instance that start together get disjoint "
+        "shares of this machine's cores (1P1D on 2 cores: one each) unless a cpu_threads is set; "
+        "engines the autoscaler adds later bind to all cores.",
+    )
     seed: int = Field(0, description="Engine seed for sampling without a per-request seed.")
     start_timeout_s: float = Field(
         900.0, gt=0, description="How long an engine may take to start before it counts as failed."

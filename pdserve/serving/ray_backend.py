@@ -36,8 +36,8 @@ from pdserve.scheduler.routing import Placement, Rejection
 from pdserve.serving.disaggregated import generate_disaggregated
 from pdserve.serving.engine_outputs import StreamLost
 from pdserve.serving.replicas import (
-    EnginePool, Replica, actor_options, create_pool, create_replica, kill_all, request_resources,
-    start_all, with_cluster_token,
+    EnginePool, Replica, actor_options, create_pool, create_replica, kill_all, local_core_split,
+    request_resources, start_all, with_cluster_token,
 )
 from pdserve.serving.scheduling import build_scheduler
 
@@ -89,7 +89,8 @@ class RayBackend:
         if config.autoscale.enabled and config.autoscale.request_resources:
             request_resources(config, {r: config.pools.for_role(r).replicas
                                        for r in config.active_roles()})
-        pools = {role: create_pool(config, model, role) for role in config.active_roles()}
+        cores = local_core_split(config)
+        pools = {role: create_pool(config, model, role, cores) for role in config.active_roles()}
         replicas = [r for p in pools.values() for r in p.replicas]
         try:
             infos = await start_all(replicas, config.engine.start_timeout_s)

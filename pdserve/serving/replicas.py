@@ -1,7 +1,8 @@
 """Engine replicas: the Ray actors of the engine pools, and how they are placed, started and stopped.
 
 Lifecycle: `create_replica` places one `EngineActor` with its pool's Ray resources
-(`actor_options`) and `create_pool` does so for every replica a pool starts with; `start_all`
+(`actor_options`) and `create_pool` does so for every replica a pool starts with (CPU engines
+of a local Ray instance each get their own cores: `local_core_split`); `start_all`
 awaits their `start()` in parallel; `kill_all` shuts each one down, kills its actor and closes its
 output stream, each step in its own try block. `request_resources` asks the Ray autoscaler for
 the nodes the wanted engines need.
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,15 +53,18 @@ class EnginePool:
     replicas: list[Replica] = field(default_factory=list)
 
 
+def _on_gpu(config: PdserveConfig) -> bool:
+    return config.engine.device == "cuda" or (
+        config.engine.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
+    )
+
+
 def actor_options(config: PdserveConfig, role: PoolRole, replica_id: str) -> dict[str, Any]:
     """Ray placement of one engine actor, from its pool's config."""
     pool = config.pools.for_role(role)
     num_gpus = pool.num_gpus
     if num_gpus is None:
-        on_gpu = config.engine.device == "cuda" or (
-            config.engine.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
-        )
-        num_gpus = config.tensor_parallel_size_of(role) if on_gpu else 0
+        num_gpus = config.tensor_parallel_size_of(role) if _on_gpu(config) else 0
     return {
         "name": replica_id,
         "namespace": config.ray.namespace,
@@ -78,20 +84,72 @@ def with_cluster_token(config: PdserveConfig) -> PdserveConfig:
     return config.model_copy(update={"kv": kv})
 
 
+def split_cores(cores: Sequence[int], replica_ids: Sequence[str]) -> dict[str, str]:
+    """Disjoint, contiguous shares of `cores` for the engines, in order (the first ones get one
+    more when the count does not divide), as core lists vLLM reads ('0-3', '4,6'); nothing when
+    fewer than two engines or fewer cores than engines."""
+    if len(replica_ids) < 2 or len(cores) < len(replica_ids):
+        return {}
+    share, extra = divmod(len(cores), len(replica_ids))
+    shares, start = {}, 0
+    for i, replica_id in enumerate(replica_ids):
+        size = share + (i < extra)
+        shares[replica_id] = core_list(cores[start:start + size])
+        start += size
+    return shares
+
+
+def core_list(cores: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for core in sorted(cores):
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def local_core_split(config: PdserveConfig) -> dict[str, str]:
+    """replica id -> its cores, for the engines the pools start with, when they are vLLM CPU
+    engines that all run on this machine (a local Ray instance) and nobody chose cores. Two
+    engines bound to the same cores slowed each other 3x (1P1D on 2 cores: TPOT p50 602 vs
+    197 ms pinned, benchmarks/results/sim/cpu-profile-5)."""
+    engine = config.engine
+    chosen = engine.cpu_threads is not None or any(
+        config.pools.for_role(role).cpu_threads is not None for role in config.active_roles())
+    if (not engine.split_cpu_cores or chosen or engine.kind != "vllm" or config.ray.address is not None
+            or _on_gpu(config)):
+        return {}
+    replica_ids = [f"{role.value}-{i}" for role in config.active_roles()
+                   for i in range(config.pools.for_role(role).replicas)]
+    shares = split_cores(sorted(os.sched_getaffinity(0)), replica_ids)
+    if shares:
+        logger.info("CPU engines on this machine get their own cores: %s (engine.split_cpu_cores)",
+                    ", ".join(f"{r} {c}" for r, c in shares.items()))
+    return shares
+
+
 def create_replica(config: PdserveConfig, model: ResolvedModel, role: PoolRole,
-                   index: int) -> Replica:
-    """Place engine `index` of `role`'s pool as a Ray actor; it serves once `start_all` returns."""
+                   index: int, cpu_threads: str | None = None) -> Replica:
+    """Place engine `index` of `role`'s pool as a Ray actor; it serves once `start_all` returns.
+    `cpu_threads`: the cores this engine binds to, over its config's (a CPU engine)."""
     replica_id = f"{role.value}-{index}"
-    spec = EngineSpec(replica_id, role.value, model.path, model.served_name,
-                      config.for_pool(role))
+    engine_config = config.for_pool(role)
+    if cpu_threads is not None:
+        engine_config = engine_config.model_copy(update={
+            "engine": engine_config.engine.model_copy(update={"cpu_threads": cpu_threads})})
+    spec = EngineSpec(replica_id, role.value, model.path, model.served_name, engine_config)
     actor = ray.remote(EngineActor).options(
         **actor_options(config, role, replica_id)).remote(spec)
     return Replica(replica_id, role, actor)
 
 
-def create_pool(config: PdserveConfig, model: ResolvedModel, role: PoolRole) -> EnginePool:
-    """Place the engines `role`'s pool starts with."""
-    return EnginePool(role, [create_replica(config, model, role, index)
+def create_pool(config: PdserveConfig, model: ResolvedModel, role: PoolRole,
+                cores: Mapping[str, str] | None = None) -> EnginePool:
+    """Place the engines `role`'s pool starts with (`cores`: replica id -> cores to bind)."""
+    cores = cores or {}
+    return EnginePool(role, [create_replica(config, model, role, index, cores.get(f"{role.value}-{index}"))
                              for index in range(config.pools.for_role(role).replicas)])
 
 

@@ -48,3 +48,31 @@ def test_engine_actors_reserve_their_pool_tp_in_gpus():
     )
     assert replicas.actor_options(config, PoolRole.PREFILL, "p-0")["num_gpus"] == 1
     assert replicas.actor_options(config, PoolRole.DECODE, "d-0")["num_gpus"] == 2
+
+
+def test_cores_are_split_evenly_and_contiguously_in_engine_order():
+    from pdserve.serving.replicas import core_list, split_cores
+
+    assert split_cores([0, 1], ["prefill-0", "decode-0"]) == {"prefill-0": "0", "decode-0": "1"}
+    assert split_cores(range(8), ["p0", "d0", "d1"]) == {"p0": "0-2", "d0": "3-5", "d1": "6-7"}
+    assert split_cores([0, 2, 4, 6], ["a", "b"]) == {"a": "0,2", "b": "4,6"}
+    assert split_cores([0, 1], ["only"]) == {}  # one engine keeps every core
+    assert split_cores([0, 1], ["a", "b", "c"]) == {}  # more engines than cores: no split
+    assert core_list([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+
+
+def test_local_cpu_engines_get_their_own_cores_unless_someone_chose(monkeypatch):
+    from pdserve.serving import replicas
+
+    monkeypatch.setattr(replicas.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    cpu = {"engine.device": "cpu", "mode": "disaggregated"}
+    assert replicas.local_core_split(load_config(None, cpu)) == {"prefill-0": "0-1", "decode-0": "2-3"}
+    assert replicas.local_core_split(load_config(None, {**cpu, "pools.decode.replicas": 3})) == {
+        "prefill-0": "0", "decode-0": "1", "decode-1": "2", "decode-2": "3"}
+    # Not split: cores chosen (engine- or pool-wide), switched off, a cluster, GPUs, the mock.
+    for override in ({"engine.cpu_threads": "0-3"}, {"pools.decode.cpu_threads": "3"},
+                     {"engine.split_cpu_cores": False}, {"ray.address": "auto"},
+                     {"engine.device": "cuda"}, {"engine.kind": "mock"}):
+        assert replicas.local_core_split(load_config(None, {**cpu, **override})) == {}, override
+    # Colocated with one engine: nothing to split, it keeps every core.
+    assert replicas.local_core_split(load_config(None, {"engine.device": "cpu", "mode": "colocated"})) == {}
