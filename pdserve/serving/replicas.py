@@ -84,6 +84,11 @@ def with_cluster_token(config: PdserveConfig) -> PdserveConfig:
     return config.model_copy(update={"kv": kv})
 
 
+def replica_id_of(role: PoolRole, index: int) -> str:
+    """The id (and Ray actor name) of engine `index` of `role`'s pool: 'prefill-0'."""
+    return f"{role.value}-{index}"
+
+
 def split_cores(cores: Sequence[int], replica_ids: Sequence[str]) -> dict[str, str]:
     """Disjoint, contiguous shares of `cores` for the engines, in order (the first ones get one
     more when the count does not divide), as core lists vLLM reads ('0-3', '4,6'); nothing when
@@ -121,7 +126,7 @@ def local_core_split(config: PdserveConfig) -> dict[str, str]:
     if (not engine.split_cpu_cores or chosen or engine.kind != "vllm" or config.ray.address is not None
             or _on_gpu(config)):
         return {}
-    replica_ids = [f"{role.value}-{i}" for role in config.active_roles()
+    replica_ids = [replica_id_of(role, i) for role in config.active_roles()
                    for i in range(config.pools.for_role(role).replicas)]
     shares = split_cores(sorted(os.sched_getaffinity(0)), replica_ids)
     if shares:
@@ -134,7 +139,7 @@ def create_replica(config: PdserveConfig, model: ResolvedModel, role: PoolRole,
                    index: int, cpu_threads: str | None = None) -> Replica:
     """Place engine `index` of `role`'s pool as a Ray actor; it serves once `start_all` returns.
     `cpu_threads`: the cores this engine binds to, over its config's (a CPU engine)."""
-    replica_id = f"{role.value}-{index}"
+    replica_id = replica_id_of(role, index)
     engine_config = config.for_pool(role)
     if cpu_threads is not None:
         engine_config = engine_config.model_copy(update={
@@ -149,7 +154,7 @@ def create_pool(config: PdserveConfig, model: ResolvedModel, role: PoolRole,
                 cores: Mapping[str, str] | None = None) -> EnginePool:
     """Place the engines `role`'s pool starts with (`cores`: replica id -> cores to bind)."""
     cores = cores or {}
-    return EnginePool(role, [create_replica(config, model, role, index, cores.get(f"{role.value}-{index}"))
+    return EnginePool(role, [create_replica(config, model, role, index, cores.get(replica_id_of(role, index)))
                              for index in range(config.pools.for_role(role).replicas)])
 
 
