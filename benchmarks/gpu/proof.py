@@ -256,6 +256,7 @@ def attainment(requests: dict[str, list], tpot_ms: float) -> float:
 
 _FIRST_OUTPUT = "pdserve_engine_time_to_first_output_seconds"
 _FIRST_OUTPUT_LE = ("0.05", "0.075", "0.1", "0.15", "0.2", "0.3", "0.5")
+_POOLS = ("prefill", "decode", "colocated")
 
 
 def kv_counters(arm: Arm) -> dict[str, float | None]:
@@ -272,7 +273,7 @@ def kv_counters(arm: Arm) -> dict[str, float | None]:
         "failures": "pdserve_kv_transfer_failures_total",
     }
     counters = {key: metric_sum(text, name) for key, name in names.items()}
-    for pool in ("prefill", "decode", "colocated"):
+    for pool in _POOLS:
         count = metric_value(text, f"{_FIRST_OUTPUT}_count", pool=pool)
         if count is None:
             continue
@@ -283,16 +284,21 @@ def kv_counters(arm: Arm) -> dict[str, float | None]:
     return counters
 
 
+def _first_output_ms(counters: dict, pool: str) -> float | None:
+    """The mean engine first output of a pool's requests in `counters`, in ms (None: none)."""
+    count = counters.get(f"first_output_count_{pool}")
+    return counters[f"first_output_sum_{pool}"] / count * 1e3 if count else None
+
+
 def _counters_line(counters: dict) -> str:
     """KV pulls and each pool's engine first output, for the console."""
     parts = []
     if counters.get("pulls"):
         parts.append(f"{counters['pulls']:.0f} KV pulls, {counters['seconds'] / counters['pulls'] * 1e3:.1f} ms mean")
-    for pool in ("prefill", "decode", "colocated"):
-        count = counters.get(f"first_output_count_{pool}")
-        if count:
-            parts.append(f"{pool} engine first output {counters[f'first_output_sum_{pool}'] / count * 1e3:.0f} ms mean, "
-                         f"{counters.get(f'first_output_le0.075_{pool}', 0) / count:.0%} <= 75 ms")
+    for pool in _POOLS:
+        if (mean_ms := _first_output_ms(counters, pool)) is not None:
+            share = counters.get(f"first_output_le0.075_{pool}", 0) / counters[f"first_output_count_{pool}"]
+            parts.append(f"{pool} engine first output {mean_ms:.0f} ms mean, {share:.0%} <= 75 ms")
     return "; ".join(parts) or "no engine counters"
 
 
@@ -537,10 +543,9 @@ def _rate_row(row: dict) -> dict:
     }
     if row.get("kv") and row["kv"].get("pulls"):
         out["kv_pull_ms_mean"] = row["kv"]["seconds"] / row["kv"]["pulls"] * 1e3
-    for pool in ("prefill", "decode", "colocated"):
-        count = (row.get("kv") or {}).get(f"first_output_count_{pool}")
-        if count:
-            out[f"engine_first_output_ms_mean_{pool}"] = row["kv"][f"first_output_sum_{pool}"] / count * 1e3
+    for pool in _POOLS:
+        if (mean_ms := _first_output_ms(row.get("kv") or {}, pool)) is not None:
+            out[f"engine_first_output_ms_mean_{pool}"] = mean_ms
     return out
 
 
@@ -602,8 +607,8 @@ def merge(args: argparse.Namespace) -> int:
                 repeats.append({"source": str(path), **row})
             else:
                 kept[row["rate"]] = row
-    rows = [kept[rate] for rate in sorted(kept)]
     rates = sorted(kept)
+    rows = [kept[rate] for rate in rates]
     merged = {**records[0], "rates": rows, "repeats": repeats, "skipped_rates": records[-1]["skipped_rates"],
               "start_s": min(r["start_s"] for r in records),
               "pull_log_ms": [p for r in records for p in r.get("pull_log_ms", [])],
