@@ -145,6 +145,7 @@ def _serve_source(conn, shape: Shape, num_blocks: int, staging_bytes: int) -> No
             staging_bytes=staging,
             staging_buffers=buffers,
             nccl_min_channels=channels,
+            trace=True,
         )
 
     source = make_source(staging_bytes)
@@ -153,6 +154,9 @@ def _serve_source(conn, shape: Shape, num_blocks: int, staging_bytes: int) -> No
         try:
             if command[0] == "pin":
                 source.pin(command[1], command[2])
+            elif command[0] == "source_traces":  # the last N pulls' SourceTraces, as dicts
+                conn.send([asdict(t) for t in list(source.traces)[-command[1]:]])
+                continue
             elif command[0] == "socket":
                 _socket_send(command[1], command[2], command[3])
             elif command[0] == "source":
@@ -275,6 +279,10 @@ class Bench:
                 seconds.append(time.perf_counter() - started)
         return seconds
 
+    def source_traces(self, count: int) -> list[dict]:
+        """The source's SourceTraces of its last `count` pulls (dicts)."""
+        return self.command("source_traces", count)
+
     def close(self) -> None:
         self.pipe.send(("stop",))
         self.child.join(30)
@@ -330,7 +338,7 @@ def run(args: argparse.Namespace) -> tuple[Shape, list[Result]]:
                 nbytes = blocks_per_pull * shape.block_bytes()
                 for name, sink in sinks.items():
                     seconds = bench.time_pulls(sink, blocks_per_pull, bench.address, remote_pin)
-                    phases, gpu_gbps = trace_summary(sink, args.repeats)
+                    phases, gpu_gbps = trace_summary(sink, args.repeats, bench.source_traces(args.repeats))
                     verified = bench.verify_last_pull()
                     results.append(Result(name, nbytes, seconds, "", phases, gpu_gbps, verified))
                 if "fake" in wanted:
@@ -350,13 +358,25 @@ def run(args: argparse.Namespace) -> tuple[Shape, list[Result]]:
     return shape, results
 
 
-def trace_summary(sink, repeats: int) -> tuple[dict[str, float] | None, float | None]:
-    """Median phase times (ms) and GPU-side GB/s of the sink's last `repeats` pulls, if traced."""
+# The sink's phases (PullTrace) and the source's (SourceTrace), in the order a pull passes them.
+SINK_PHASES = ("thread_start", "header_sent", "queued", "data_done", "reply_read")
+SOURCE_PHASES = ("header_read", "replied", "queued", "done")
+
+
+def trace_summary(
+    sink, repeats: int, source_traces: list[dict] | None = None
+) -> tuple[dict[str, float] | None, float | None]:
+    """Median phase times (ms from start_pull) and GPU-side GB/s of the sink's last `repeats`
+    pulls, if traced; with the source's traces of the same pulls (`Bench.source_traces`), its
+    phases too, as `source_*` (one clock: both processes share the host's monotonic time)."""
     traces = list(getattr(sink, "traces", None) or [])[-repeats:]
     if not traces:
         return None, None
-    phases = ("thread_start", "header_sent", "queued", "data_done", "reply_read")
-    medians = {p: statistics.median(getattr(t, p) for t in traces) * 1e3 for p in phases}
+    medians = {p: statistics.median(getattr(t, p) for t in traces) * 1e3 for p in SINK_PHASES}
+    by_id = {t["request_id"]: t for t in source_traces or []}
+    matched = [(t, by_id[t.request_id]) for t in traces if t.request_id in by_id]
+    for phase in SOURCE_PHASES if matched else ():
+        medians[f"source_{phase}"] = statistics.median(s[phase] - t.started_at for t, s in matched) * 1e3
     gpu = [t.gpu_s for t in traces if t.gpu_s]
     gbps = traces[0].nbytes / statistics.median(gpu) / 1e9 if gpu else None
     return medians, gbps

@@ -15,6 +15,12 @@
 #   f   (next session) colocated x4 with the one-stream frontend, 12-36 req/s
 #   g   (next session) 2P2D and 1P3D with the one-stream frontend
 #   h   (next session) the autoscaler ramp with a warm-up phase and longer phases
+# Steps for a two-GPU host (issue 9's missing parts, when no 4-GPU kind is lent):
+#   2a  1P1D over NCCL past its knee, 12-22 req/s, with step traces; then the transfer sweep
+#       (ring settings, torch's NCCL flight recorder off) with both ends' pull phases
+#   2b  colocated x2 at 12-20 req/s (this host's baseline at 1P1D's rates), then 1P1D over
+#       gRPC at 10 req/s with step traces (is the bimodal TTFT the NCCL path's?)
+#   2c  the fixed engine profile on GPU 1 (the simulator's input)
 # As run on 2026-11-26 (benchmarks/results/gpu/2026-11-26-h200-x4/), a to d back to back on one
 # warm host. Step a's 260 s budget stopped 1P1D after 12 req/s (it started in 143 s and each
 # rate took ~40 s, not the 20 s planned): give an arm ~120 s to start plus ~40 s per rate.
@@ -67,6 +73,20 @@ case $step in
     stream y bash -c "$(declare -f proof); here=$here model=$model
       CUDA_VISIBLE_DEVICES=2,3 PROOF_BUDGET_S=260 proof arm:1P1D-grpc:8,10,12
       PROFILE_GPU=3 proof profile" ;;
+  2a)
+    export PROOF_STEP_TRACE=$out
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      PROOF_BUDGET_S=400 proof arm:disagg:12,14,16,18,20,22
+      NCCL_NVLS_ENABLE=0 python3 benchmarks/transfer_sweep.py --sizes-mib 64,256,1024 --repeats 10 \
+        --configs 64:4,128:2,256:2,32:8 --nccl-env '' --env-configs 64:4,256:2 \
+        --nccl-env 'TORCH_NCCL_TRACE_BUFFER_SIZE=0 TORCH_FR_BUFFER_SIZE=0' --out $out/sweep.json" ;;
+  2b)
+    export PROOF_STEP_TRACE=$out
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      PROOF_BUDGET_S=320 proof arm:colocated:12,14,16,18,20
+      PROOF_BUDGET_S=200 proof arm:1P1D-grpc:10" ;;
+  2c)
+    stream x bash -c "$(declare -f proof); here=$here model=$model; PROFILE_GPU=1 proof profile" ;;
   f)
     stream x bash -c "$(declare -f proof); here=$here model=$model
       PROOF_BUDGET_S=500 proof arm:colocated-4:12,16,20,24,28,32,36" ;;

@@ -88,8 +88,9 @@ class NcclSource(GrpcSource):
     """A GrpcSource that also sends blocks over per-pair torch.distributed groups.
 
     Takes GrpcSource's arguments plus `staging_bytes` (per buffer: the batch size of one
-    send), `staging_buffers` (ring depth), `nccl_min_channels` (0: NCCL's choice) and
-    `pair_timeout_s`; the sink of each pair adopts the first three. Each pair has its own
+    send), `staging_buffers` (ring depth), `nccl_min_channels` (0: NCCL's choice),
+    `pair_timeout_s` and `trace` (keep a SourceTrace per pull in `traces`, for benchmarks); the
+    sink of each pair adopts the first three. Each pair has its own
     thread: it joins the group, accepts the control connection, then serves the pair's pulls in
     order until the sink goes away or the source closes.
     """
@@ -103,6 +104,7 @@ class NcclSource(GrpcSource):
         staging_buffers: int = DEFAULT_STAGING_BUFFERS,
         nccl_min_channels: int = 0,
         pair_timeout_s: float = DEFAULT_PAIR_TIMEOUT_S,
+        trace: bool = False,
         **grpc_options,
     ):
         if not 2 <= staging_buffers <= MAX_STAGING_BUFFERS or not 0 <= nccl_min_channels <= MAX_NCCL_CHANNELS:
@@ -120,6 +122,7 @@ class NcclSource(GrpcSource):
         self._pairs: dict[str, tuple[Pair, socket.socket]] = {}
         self._pairs_lock = threading.Lock()
         self._closing = False
+        self.traces: deque[SourceTrace] | None = deque(maxlen=_TRACE_LEN) if trace else None
         super().__init__(layout, regions, **grpc_options)
         self._watchdog = Watchdog(self._pairs, self._pairs_lock)
 
@@ -188,7 +191,11 @@ class NcclSource(GrpcSource):
                 if conn is None:
                     break
                 header = control.PullHeader.from_wire(control.recv_frame(conn))
-                self._serve_pull(pair, conn, header)
+                trace = None
+                if self.traces is not None:
+                    trace = SourceTrace(header.request_id, header_read=time.monotonic())
+                    self.traces.append(trace)
+                self._serve_pull(pair, conn, header, trace)
         except Exception as exc:  # noqa: BLE001 - a broken pair is dropped; its sink fails its pull
             closed = self._closing or isinstance(exc, ConnectionError)
             level = logging.DEBUG if closed else logging.WARNING
@@ -199,7 +206,9 @@ class NcclSource(GrpcSource):
             listener.close()
             pair.abort()
 
-    def _serve_pull(self, pair: Pair, conn: socket.socket, header: control.PullHeader) -> None:
+    def _serve_pull(
+        self, pair: Pair, conn: socket.socket, header: control.PullHeader, trace: SourceTrace | None = None
+    ) -> None:
         """Pair thread, once per pull: answers, then sends the blocks (stale bytes if refused)."""
         try:
             self.open_read(header.request_id, header.block_ids)
@@ -210,12 +219,16 @@ class NcclSource(GrpcSource):
         sent = False
         try:
             control.send_frame(conn, control.reply_to_wire(None))
-            self._send(pair, header.block_ids, gather=True)
+            if trace is not None:
+                trace.replied = time.monotonic()
+            self._send(pair, header.block_ids, gather=True, trace=trace)
             sent = True
         finally:
             self.close_read(header.request_id, release=sent and header.release_after)
 
-    def _send(self, pair: Pair, block_ids: list[int], *, gather: bool) -> None:
+    def _send(
+        self, pair: Pair, block_ids: list[int], *, gather: bool, trace: SourceTrace | None = None
+    ) -> None:
         """Gathers and sends the pull's batches round the staging ring; returns once the last
         send is done (so the blocks may be freed and staging reused)."""
         pair.deadline = time.monotonic() + pair.timeout_s
@@ -243,8 +256,24 @@ class NcclSource(GrpcSource):
             for work in pending:
                 if work is not None:
                     work.wait()
+        if trace is not None:
+            trace.queued = time.monotonic()
         pair.finish_stream()
         pair.deadline = None
+        if trace is not None:
+            trace.done = time.monotonic()
+
+
+@dataclass(slots=True)
+class SourceTrace:
+    """When the source's pair thread did each part of one pull (time.monotonic(), the same
+    clock for every process of a host, so a benchmark lines it up with the sink's PullTrace)."""
+
+    request_id: str
+    header_read: float  # the sink's header frame was read (the pair thread woke)
+    replied: float = 0.0  # the answer frame left
+    queued: float = 0.0  # every gather and send is queued
+    done: float = 0.0  # the GPU finished the last send (host saw it)
 
 
 @dataclass(slots=True)
@@ -253,6 +282,7 @@ class PullTrace:
 
     request_id: str
     nbytes: int
+    started_at: float = 0.0  # time.monotonic() at start_pull: lines a SourceTrace up with this one
     thread_start: float = 0.0  # the pull thread picked it up
     header_sent: float = 0.0  # the control frame left
     queued: float = 0.0  # every receive and scatter is queued
@@ -357,7 +387,12 @@ class NcclSink(GrpcSink):
         if self.traces is None:
             return None
         nbytes = num_blocks * sum(r.block_nbytes for r in self.region_infos)
-        trace = PullTrace(transfer.request_id, nbytes, thread_start=transfer.elapsed_s)
+        trace = PullTrace(
+            transfer.request_id,
+            nbytes,
+            started_at=time.monotonic() - transfer.elapsed_s,
+            thread_start=transfer.elapsed_s,
+        )
         self.traces.append(trace)
         return trace
 

@@ -90,3 +90,26 @@ def test_pair_settings_of_an_older_source_mean_two_buffers():
 def test_pair_settings_out_of_range_are_refused(bad):
     with pytest.raises(KVTransportError):
         decode_settings(settings(**bad))
+
+
+def test_traced_ends_record_each_pull_in_phase_order_on_one_clock():
+    source = NcclSource(
+        LAYOUT, kv_regions(16, seed=1), engine_id="prefill-0", cluster_token=TOKEN, trace=True
+    )
+    sink = NcclSink(
+        LAYOUT, kv_regions(16, seed=2, sink_side=True), engine_id="decode-0", cluster_token=TOKEN, trace=True
+    )
+    try:
+        for request_id in ("first", "second"):
+            assert pull(source, sink, request_id, [1, 2, 3])[0] is TransferState.DONE
+        assert [t.request_id for t in sink.traces] == [t.request_id for t in source.traces] == ["first", "second"]
+        for ours, theirs in zip(sink.traces, source.traces):
+            # The source reads the header after the sink sent it and finishes sending before
+            # the sink reads the reply that follows the data.
+            header_sent = ours.started_at + ours.header_sent
+            assert header_sent <= theirs.header_read <= theirs.replied <= theirs.queued <= theirs.done
+            assert theirs.replied <= ours.started_at + ours.reply_read
+            assert 0 < ours.thread_start <= ours.header_sent <= ours.queued <= ours.data_done <= ours.reply_read
+    finally:
+        sink.close()
+        source.close()
