@@ -18,9 +18,11 @@
 # Steps for a two-GPU host (issue 9's missing parts, when no 4-GPU kind is lent):
 #   2a  1P1D over NCCL past its knee, 12-22 req/s, with step traces; then the transfer sweep
 #       (ring settings, torch's NCCL flight recorder off) with both ends' pull phases
-#   2b  colocated x2 at 12-20 req/s (this host's baseline at 1P1D's rates), then 1P1D over
-#       gRPC at 10 req/s with step traces (is the bimodal TTFT the NCCL path's?)
-#   2c  the fixed engine profile on GPU 1 (the simulator's input)
+#   2b  colocated x2 at 4-18 req/s (this host's baseline at 1P1D's rates), step traces on
+#   2c  two plain vLLM engines behind round robin at 4-18 req/s
+#   2d  the fixed engine profile on GPU 1 (the simulator's input)
+#   2e  the 20 ms knee: colocated x2 at 20-26 req/s, then 1P1D at 20
+# As run on 2026-11-26 on 2 x H100 (benchmarks/results/gpu/2026-11-26-h100-x2/): 2a, 2b, 2c, 2e.
 # As run on 2026-11-26 (benchmarks/results/gpu/2026-11-26-h200-x4/), a to d back to back on one
 # warm host. Step a's 260 s budget stopped 1P1D after 12 req/s (it started in 143 s and each
 # rate took ~40 s, not the 20 s planned): give an arm ~120 s to start plus ~40 s per rate.
@@ -76,16 +78,22 @@ case $step in
   2a)
     export PROOF_STEP_TRACE=$out
     stream x bash -c "$(declare -f proof); here=$here model=$model
-      PROOF_BUDGET_S=400 proof arm:disagg:12,14,16,18,20,22
+      PROOF_BUDGET_S=400 proof arm:disagg:8,10,12,14,16,18
       NCCL_NVLS_ENABLE=0 python3 benchmarks/transfer_sweep.py --sizes-mib 64,256,1024 --repeats 10 \
         --configs 64:4,128:2,256:2,32:8 --nccl-env '' --env-configs 64:4,256:2 \
         --nccl-env 'TORCH_NCCL_TRACE_BUFFER_SIZE=0 TORCH_FR_BUFFER_SIZE=0' --out $out/sweep.json" ;;
   2b)
     export PROOF_STEP_TRACE=$out
     stream x bash -c "$(declare -f proof); here=$here model=$model
-      PROOF_BUDGET_S=320 proof arm:colocated:12,14,16,18,20
-      PROOF_BUDGET_S=200 proof arm:1P1D-grpc:10" ;;
+      PROOF_BUDGET_S=450 proof arm:colocated:4,6,8,10,12,14,16,18" ;;
   2c)
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      PROOF_BUDGET_S=450 proof arm:vllm:4,6,8,10,12,14,16,18" ;;
+  2e)
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      PROOF_BUDGET_S=290 proof arm:colocated:20,22,24,26
+      PROOF_BUDGET_S=185 proof arm:disagg:20" ;;
+  2d)
     stream x bash -c "$(declare -f proof); here=$here model=$model; PROFILE_GPU=1 proof profile" ;;
   f)
     stream x bash -c "$(declare -f proof); here=$here model=$model

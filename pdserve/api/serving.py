@@ -120,7 +120,10 @@ class OpenAIServing:
             # backend now, not whenever the garbage collector gets to it.
             async with aclosing(self._run(prepared)) as deltas:
                 async for delta in deltas:
-                    if delta.text or delta.finish_reason:
+                    # A chunk per token event, even when its text is empty (a token the
+                    # detokenizer holds back or cannot render), as vLLM's server does: the
+                    # client's first chunk is the first token, whichever engine made it.
+                    if delta.token_ids or delta.text or delta.finish_reason:
                         yield _sse(chunks.delta(delta))
                     if delta.finished and prepared.include_usage:
                         yield _sse(chunks.usage(delta))
@@ -241,7 +244,8 @@ class _ChunkBuilder:
 
     def delta(self, delta: GenerateDelta) -> dict[str, Any]:
         if self._chat:
-            choice = {"index": 0, "delta": {"content": delta.text} if delta.text else {},
+            content = delta.text if delta.text or delta.token_ids else None
+            choice = {"index": 0, "delta": {} if content is None else {"content": content},
                       "logprobs": None, "finish_reason": delta.finish_reason}
         else:
             choice = {"index": 0, "text": delta.text, "logprobs": None,

@@ -1,6 +1,7 @@
 """The HTTP layer over the mock engine: responses, streaming, the bad-input table, metrics."""
 
 import asyncio
+import dataclasses
 import json
 
 import httpx
@@ -252,4 +253,43 @@ async def test_a_scheduler_refusal_is_a_429_or_503_before_any_byte(stream):
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         backend.refuse = None  # the server keeps serving
         assert (await http.post("/v1/completions", json=body)).status_code == 200
+    await inner.shutdown()
+
+
+class _SilentFirstTokenBackend(_RefusingBackend):
+    """The engine's first token renders as no text (as a dummy-weight model's token outside the
+    tokenizer's vocabulary does, or a byte the detokenizer holds back)."""
+
+    def generate(self, request):
+        async def deltas():
+            first = True
+            async for delta in self._inner.generate(request):
+                if first and delta.token_ids:
+                    delta, first = dataclasses.replace(delta, text=""), False
+                yield delta
+        return deltas()
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+async def test_a_token_without_text_still_streams_a_chunk(kind):
+    # The client's first chunk marks the first token (TTFT), as with vLLM's server: a token
+    # whose text is empty must not wait for the next one.
+    inner = make_backend()
+    await inner.start()
+    app = build_app(_SilentFirstTokenBackend(inner), tiny_tokenizer(), MODEL)
+    body = {"model": MODEL, "max_tokens": 3, "stream": True}
+    if kind == "chat":
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": "hello"}]
+    else:
+        path, body["prompt"] = "/v1/completions", "hello"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        r = await http.post(path, json=body)
+    chunks = [json.loads(e)["choices"][0] for e in sse_events(r.text)[:-1]]
+    if kind == "chat":
+        chunks = chunks[1:]  # the role
+        texts = [c["delta"].get("content") for c in chunks]
+    else:
+        texts = [c["text"] for c in chunks]
+    assert len(chunks) == 3 and texts[0] == "" and all(texts[1:])
+    assert chunks[-1]["finish_reason"] == "length"
     await inner.shutdown()
