@@ -12,9 +12,11 @@
 #   e   (next session) 1P1D past its knee, and the bimodal disaggregated TTFT: 1P1D over NCCL
 #       at 12-22 req/s on GPUs 0,1 beside 1P1D over gRPC at 8-12 on GPUs 2,3, both with step
 #       traces; then the fixed engine profile on GPU 3
-#   f   (next session) colocated x4 with the one-stream frontend, 12-36 req/s
-#   g   (next session) 2P2D and 1P3D with the one-stream frontend
-#   h   (next session) the autoscaler ramp with a warm-up phase and longer phases
+#   f   colocated x4 with the one-stream frontend, 12-36 req/s
+#   g   2P2D and 1P3D with the one-stream frontend
+#   h   the autoscaler ramp with a warm-up phase and longer phases (RAMP_PHASES overrides them)
+#   i   colocated x4 at 16-48 req/s, then 3P1D at 16-40 (with g and h: issue 7's four ratios
+#       and the ramp on one host in three calls)
 # Steps for a two-GPU host (issue 9's missing parts, when no 4-GPU kind is lent):
 #   2a  1P1D over NCCL past its knee, 12-22 req/s, with step traces; then the transfer sweep
 #       (ring settings, torch's NCCL flight recorder off) with both ends' pull phases
@@ -29,7 +31,7 @@
 # Each stream's console goes to $OUT/STEP-STREAM.log; everything is packed into $OUT/STEP.tar.
 # Rates are total req/s; an arm stops after the first rate where no TPOT target reaches 50%.
 set -uo pipefail
-model=${1:?usage: x4.sh MODEL_DIR STEP}; step=${2:?step a to h}
+model=${1:?usage: x4.sh MODEL_DIR STEP}; step=${2:?step a to i or 2a to 2e}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH=/tmp/site2:/tmp/site:$PWD
@@ -100,11 +102,15 @@ case $step in
       PROOF_BUDGET_S=500 proof arm:colocated-4:12,16,20,24,28,32,36" ;;
   g)
     stream x bash -c "$(declare -f proof); here=$here model=$model
-      PROOF_BUDGET_S=260 proof arm:2P2D:16,20,24,28,32
-      PROOF_BUDGET_S=260 proof arm:1P3D:12,16,20,24" ;;
+      PROOF_BUDGET_S=290 proof arm:2P2D:16,20,24,30,36
+      PROOF_BUDGET_S=230 proof arm:1P3D:12,16,20,24" ;;
   h)
     stream x bash -c "$(declare -f proof); here=$here model=$model
-      RAMP_PHASES=4:20:warmup,6:60:low,14:60:mid,26:150:high,6:90:after proof ramp" ;;
+      RAMP_PHASES=${RAMP_PHASES:-4:20:warmup,6:40:low,14:40:mid,26:150:high,6:60:after} proof ramp" ;;
+  i)
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      PROOF_BUDGET_S=290 proof arm:colocated-4:16,24,32,40,48
+      PROOF_BUDGET_S=230 proof arm:3P1D:16,24,32,40" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
 wait
