@@ -227,7 +227,8 @@ class SchedulerConfig(_Section):
     )
     admit_ttft_factor: float = Field(
         4.0, gt=0, description="With an SLO, refuse (429) a request whose best predicted TTFT is "
-        "beyond this multiple of the TTFT target.",
+        "beyond this multiple of the TTFT target, unless its engine has nothing queued ahead of it "
+        "(admission sheds queues; a request that would start at once always runs).",
     )
     prefix_aware: bool = Field(
         True, description="Track which prompt prefixes each engine caches and route toward hits.")

@@ -213,7 +213,9 @@ class OnlineFit:
     - `observe_prefill(tokens, seconds)`: a prefill leg that found `tokens` prompt tokens ahead
       of it and its own (queued + own, uncached) took `seconds` to its first token;
     - `observe_decode(batch, seconds_per_token)`: an inter-token gap seen at that batch size;
-    - `observe_transfer(tokens, seconds)`: one KV pull.
+    - `observe_transfer(tokens, seconds)`: a decode leg's time to its first token: the KV pull,
+      plus any wait for the decode engine's KV blocks and step. It delays token 2, so it enters
+      the predicted TPOT (spread over the request's tokens), never the predicted TTFT.
     """
 
     seed: PerfModel

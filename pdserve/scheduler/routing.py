@@ -5,8 +5,9 @@ tests and the simulator (pdserve.sim) call the very same code.
 
 Disaggregated placement (`place`):
 - prefill engine: the lowest predicted TTFT = (prompt tokens already queued there + this
-  prompt's tokens not in its prefix cache) / its prefill rate, plus the KV pull to the decode
-  engine;
+  prompt's tokens not in its prefix cache) / its prefill rate. The client's first token is the
+  prefill engine's, so the KV pull to the decode engine delays token 2, not the first: it is
+  spread over the request's tokens in the predicted TPOT, as a local prefill's stall is;
 - decode engine: enough free KV blocks for the whole request, then the shortest predicted decode
   step (batch size against the TPOT target), ties to the most free blocks;
 - conditional disaggregation: the prompt is prefilled on the decode engine itself when few of
@@ -15,7 +16,12 @@ Disaggregated placement (`place`):
   remote path;
 - admission: when even the best placement predicts a TTFT beyond `admit_ttft_factor` x the
   target, or no decode engine has room for the request's KV, the answer is a `Rejection` with a
-  retry hint (the frontend turns it into a 429).
+  retry hint (the frontend turns it into a 429). A request whose engine has nothing queued
+  ahead of it is always admitted, whatever the model predicts: admission sheds queues, and
+  the model is refitted only from requests that run. Refusing on a model that overestimates
+  an idle engine would starve the model of the very observations that correct it, and refuse
+  everything for good (4 x H100, 2026-11-27: after a burst, 180 s of 429s at 6 req/s on
+  idle engines).
 
 Colocated placement (`place_colocated`) picks by the same TTFT prediction, then decode headroom.
 `pick_least_loaded` is the SLO-free fallback for backends without a performance model.
@@ -80,6 +86,9 @@ class Placement:
     predicted_ttft_s: float
     predicted_tpot_s: float
     reason: str  # "remote", "local_short_prompt", "local_cached", "colocated"
+    # Prompt tokens queued ahead of this request on the engine that prefills it (admission
+    # never refuses a request that would start at once).
+    queued_ahead_tokens: int = 0
 
     @property
     def local(self) -> bool:
@@ -141,10 +150,13 @@ def place(
     if prefillers:
         best_prefill = min(prefillers, key=lambda p: (
             predicted_ttft(p, request, prefill_model), p.queued_prefill_tokens, p.replica_id))
-        ttft = (predicted_ttft(best_prefill, request, prefill_model)
-                + decode_model.transfer_s(request.prompt_tokens))
-        options.append(Placement(best_decode.replica_id, best_prefill.replica_id, ttft, tpot,
-                                 "remote"))
+        # The pull delays token 2 once: spread over this request's tokens, like a local stall.
+        pull = decode_model.transfer_s(request.prompt_tokens)
+        options.append(Placement(
+            best_decode.replica_id, best_prefill.replica_id,
+            predicted_ttft(best_prefill, request, prefill_model),
+            tpot + pull / max(request.max_tokens, 1), "remote",
+            best_prefill.queued_prefill_tokens))
     limit = local_prefill_limit(policy, decode_model, slo)
     local = [d for d in roomy if request.uncached(d.replica_id) <= limit]
     if local:
@@ -158,12 +170,14 @@ def place(
         stall = decode_model.prefill_s(request.uncached(best_local.replica_id))
         options.append(Placement(
             best_local.replica_id, None, ttft,
-            predicted_tpot(best_local, decode_model) + stall / max(request.max_tokens, 1), reason))
+            predicted_tpot(best_local, decode_model) + stall / max(request.max_tokens, 1), reason,
+            best_local.queued_prefill_tokens))
     if not options:
         # No prefill engine: the decode engines prefill everything themselves.
         best = min(roomy, key=lambda d: (predicted_ttft(d, request, decode_model), d.replica_id))
         options.append(Placement(best.replica_id, None, predicted_ttft(best, request, decode_model),
-                                 predicted_tpot(best, decode_model), "no_prefill_engine"))
+                                 predicted_tpot(best, decode_model), "no_prefill_engine",
+                                 best.queued_prefill_tokens))
     chosen = min(options, key=lambda o: (o.predicted_ttft_s, o.prefill is None))
     return _admit(chosen, slo, policy)
 
@@ -181,10 +195,10 @@ def place_colocated(
         return roomy
     # The ranking tuples themselves: the winner's carries its predictions (replica ids are
     # unique, so no two tuples tie).
-    ttft, tpot, _, _, replica_id = min(
+    ttft, tpot, _, _, replica_id, queued = min(
         (predicted_ttft(e, request, model), predicted_tpot(e, model), e.num_decoding,
-         -e.kv_free_blocks, e.replica_id) for e in roomy)
-    return _admit(Placement(replica_id, None, ttft, tpot, "colocated"), slo, policy)
+         -e.kv_free_blocks, e.replica_id, e.queued_prefill_tokens) for e in roomy)
+    return _admit(Placement(replica_id, None, ttft, tpot, "colocated", queued), slo, policy)
 
 
 def _roomy(request: RouteRequest, engines: Sequence[EngineLoad],
@@ -202,7 +216,8 @@ def _roomy(request: RouteRequest, engines: Sequence[EngineLoad],
 
 
 def _admit(chosen: Placement, slo: SloTargets | None, policy: RoutingPolicy) -> Placement | Rejection:
-    if slo is None or chosen.predicted_ttft_s <= slo.ttft_s * policy.admit_ttft_factor:
+    if (slo is None or chosen.queued_ahead_tokens <= 0
+            or chosen.predicted_ttft_s <= slo.ttft_s * policy.admit_ttft_factor):
         return chosen
     # Retry once the queue ahead has drained to what the target allows.
     wait = chosen.predicted_ttft_s - slo.ttft_s * policy.admit_ttft_factor

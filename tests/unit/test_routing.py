@@ -24,8 +24,16 @@ def test_prefill_goes_to_the_engine_with_the_lowest_predicted_ttft():
     decode = [EngineLoad("d0")]
     placed = place(RouteRequest(200, 10), prefill, decode, MODEL, MODEL)
     assert isinstance(placed, Placement) and placed.prefill == "p1" and placed.reason == "remote"
-    # (300 queued + 200 own) / 1000 tok/s + 200 tokens x 1 us of transfer
-    assert placed.predicted_ttft_s == pytest.approx(0.5 + 0.0002)
+    # (300 queued + 200 own) / 1000 tok/s; the first token is the prefill engine's
+    assert placed.predicted_ttft_s == pytest.approx(0.5)
+    assert placed.queued_ahead_tokens == 300
+
+
+def test_the_kv_pull_delays_token_two_not_the_first():
+    placed = place(RouteRequest(2000, 10), [EngineLoad("p0")], [EngineLoad("d0")], MODEL, MODEL)
+    assert placed.predicted_ttft_s == pytest.approx(2.0)
+    # One decode step at batch 1 (11 ms) + the 2 ms pull of 2000 tokens spread over 10 tokens.
+    assert placed.predicted_tpot_s == pytest.approx(0.011 + 0.002 / 10)
 
 
 def test_prefix_cache_hits_lower_the_predicted_ttft():
@@ -43,7 +51,8 @@ def test_decode_goes_where_the_batch_is_smaller_and_kv_fits():
     placed = place(RouteRequest(100, 100), [EngineLoad("p0")], decode, MODEL, MODEL)
     # d1 would be the fastest but needs ceil(200 / 16) = 13 free blocks and has 3.
     assert placed.decode == "d2"
-    assert placed.predicted_tpot_s == pytest.approx(0.010 + 0.001 * 13)
+    # Batch 13 with this request, plus the 100-token pull (0.1 ms) spread over 100 tokens.
+    assert placed.predicted_tpot_s == pytest.approx(0.010 + 0.001 * 13 + 0.0001 / 100)
 
 
 def test_unhealthy_and_draining_engines_get_nothing():
@@ -91,10 +100,30 @@ def test_admission_refuses_when_the_ttft_slo_cannot_be_met():
                     RoutingPolicy(admit_ttft_factor=4.0))
     assert isinstance(refused, Rejection) and refused.reason == "ttft_slo"
     # 11 s predicted vs 4 s allowed: retry in about 7 s.
-    assert refused.retry_after_s == pytest.approx(11.001 - 4.0, rel=1e-3)
+    assert refused.retry_after_s == pytest.approx(11.0 - 4.0, rel=1e-3)
     # Without an SLO nothing is refused, however long the queue.
     assert isinstance(place(RouteRequest(1000, 10), prefill, [EngineLoad("d0")], MODEL, MODEL),
                       Placement)
+
+
+def test_admission_never_refuses_a_request_that_would_start_at_once():
+    # A model that says a lone 1000-token prefill takes 100 s (10 tok/s): 25x the allowed 4 s.
+    slow = PerfModel(prefill_tokens_per_s=10, decode_step_s=0.010, decode_step_per_seq_s=0.001,
+                     kv_bytes_per_token=1000, transfer_bytes_per_s=1e9)
+    slo = SloTargets(ttft_s=1.0, tpot_s=0.05)
+    idle = place(RouteRequest(1000, 10), [EngineLoad("p0")], [EngineLoad("d0")], slow, slow, slo)
+    assert isinstance(idle, Placement) and idle.predicted_ttft_s == pytest.approx(100.0)
+    alone = place_colocated(RouteRequest(1000, 10), [EngineLoad("c0")], slow, slo)
+    assert isinstance(alone, Placement)
+    # With a queue ahead the same model sheds load, remote, local or colocated alike.
+    queued = [EngineLoad("p0", queued_prefill_tokens=1)]
+    assert isinstance(place(RouteRequest(1000, 10), queued, [EngineLoad("d0")], slow, slow, slo),
+                      Rejection)
+    assert isinstance(place_colocated(RouteRequest(1000, 10), [EngineLoad("c0", queued_prefill_tokens=1)],
+                                      slow, slo), Rejection)
+    # One idle engine among busy ones is enough.
+    mixed = [EngineLoad("p0", queued_prefill_tokens=5000), EngineLoad("p1")]
+    assert place(RouteRequest(1000, 10), mixed, [EngineLoad("d0")], slow, slow, slo).prefill == "p1"
 
 
 def test_admission_refuses_when_no_decode_engine_has_room_for_the_kv():

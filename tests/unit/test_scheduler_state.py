@@ -118,6 +118,31 @@ def test_scheduler_accounting_drives_routing_and_drains():
     assert sched.route(prompt, 20).prefill == "prefill-1"
 
 
+def test_a_model_taught_by_a_burst_that_idle_engines_are_slow_is_corrected_after_it():
+    # 4 x H100, 2026-11-27: in a burst the fitted model learned that a lone 2048-token prefill
+    # takes seconds; admission then refused every request, so nothing new was observed and the
+    # service refused everything, on idle engines, until it was stopped.
+    sched = GlobalScheduler(["prefill", "decode"],
+                            PerfModel(prefill_tokens_per_s=40_000, decode_step_s=0.01),
+                            SloTargets(0.5, 0.02), prefix_aware=False)
+    sched.add_engine("prefill", "p0", 16, 100_000)
+    sched.add_engine("decode", "d0", 16, 100_000)
+    for i in range(100):  # the burst: every leg took 3 s to its first token, every pull 3 s
+        ticket = sched.prefill_started("prefill", "p0", 2048, now=float(i))
+        sched.first_token(ticket, now=i + 3.0)
+        sched.transfer_observed(2048, 3.0)
+    assert sched.model("prefill").prefill_s(2048) > 4 * 0.5  # beyond what admission allows
+    # Nothing queued: admitted whatever the model says, and what it observes corrects it.
+    for i in range(200):
+        placement = sched.route(list(range(i, i + 2048)), 256)
+        assert isinstance(placement, Placement) and placement.prefill == "p0"
+        ticket = sched.prefill_started("prefill", "p0", 2048, now=1000.0 + i)
+        sched.first_token(ticket, now=1000.0 + i + 0.06)
+    assert sched.model("prefill").prefill_s(2048) < 0.2
+    # The 3 s pulls delay token 2, not the first: they are not in the predicted TTFT.
+    assert sched.route(list(range(2048)), 256).predicted_ttft_s < 0.2
+
+
 def test_simultaneous_placements_spread_over_decode_engines():
     sched = GlobalScheduler(["prefill", "decode"],
                             PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01),
