@@ -3,8 +3,9 @@
 `Autoscaler.evaluate(scheduler, now)` reads each pool's signals from the `GlobalScheduler`,
 runs the pure policy (`policy.decide`) per pool with that pool's bounds and remembered state,
 fits the scale-ups into a shared device budget when one is set (`max_gpus`: a fixed cluster, so
-the pools compete for its GPUs and the autoscaler picks the prefill:decode ratio), and returns
-the decisions. Whoever calls it applies them: `RayBackend` adds or drains engine
+the pools compete for its GPUs and the autoscaler picks the prefill:decode ratio; a pool that
+breaches its latency target at the budget takes a GPU from a pool that can spare one), and
+returns the decisions. Whoever calls it applies them: `RayBackend` adds or drains engine
 actors, the simulator adds or removes simulated engines. A log of recent decisions is kept for
 /metrics and for the benchmark plots.
 """
@@ -17,7 +18,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from pdserve.autoscaler.policy import (
-    AT_BUDGET, LATENCY_REASONS, PoolBounds, ScalingDecision, ScalingPolicy, ScalingState, decide,
+    AT_BUDGET, LATENCY_REASONS, REBALANCE, PoolBounds, PoolSignals, ScalingDecision, ScalingPolicy,
+    ScalingState, decide,
 )
 from pdserve.scheduler.scheduler import GlobalScheduler
 
@@ -37,13 +39,16 @@ class Autoscaler:
         self.history: deque[tuple[float, ScalingDecision]] = deque(maxlen=history)
 
     def evaluate(self, scheduler: GlobalScheduler, now: float) -> list[ScalingDecision]:
-        proposed = {}
+        proposed, signals = {}, {}
         for pool, bounds in self.bounds.items():
+            signals[pool] = scheduler.signals(pool, now)
             proposed[pool] = decide(
-                scheduler.signals(pool, now), self._states[pool], bounds, self.ttft_target_s,
+                signals[pool], self._states[pool], bounds, self.ttft_target_s,
                 self.tpot_target_s, now, self.policy)
         if self.max_gpus is not None:
-            proposed = self._within_budget(proposed)
+            proposed, starved = self._within_budget(proposed)
+            if starved:
+                proposed = self._rebalance(proposed, starved, signals, now)
         decisions = []
         for pool, (decision, state) in proposed.items():
             self._states[pool] = state
@@ -55,13 +60,14 @@ class Autoscaler:
         """Trims scale-ups to the GPUs left under `max_gpus` after every other pool's target.
         Latency breaches are served before load forecasts, then the larger shortfall; a trimmed
         pool keeps its pressure streak (not a cooldown), so it scales as soon as GPUs free up,
-        e.g. when the other pool's idle engine has drained."""
+        e.g. when the other pool's idle engine has drained. Also returns the pools that got
+        nothing for a latency breach."""
         gpus = self.gpus_per_engine
         used = sum(min(d.current, d.target) * gpus[pool] for pool, (d, _) in proposed.items())
         ups = sorted((pool for pool, (d, _) in proposed.items() if d.delta > 0),
                      key=lambda pool: (proposed[pool][0].reason not in LATENCY_REASONS,
                                        -proposed[pool][0].delta))
-        out = dict(proposed)
+        out, starved = dict(proposed), []
         for pool in ups:
             decision, state = proposed[pool]
             fits = max(0, (self.max_gpus - used) // gpus[pool])
@@ -73,11 +79,63 @@ class Autoscaler:
             if granted > 0:
                 out[pool] = (replace(decision, target=decision.current + granted, detail=detail), state)
             else:  # nothing fits: no change, and no cooldown started
+                if decision.reason in LATENCY_REASONS:
+                    starved.append(pool)
                 waiting = ScalingState(up_streak=self.policy.upscale_intervals, down_streak=0,
                                        last_change_s=self._states[pool].last_change_s)
                 out[pool] = (replace(decision, target=decision.current, reason=AT_BUDGET,
                                      detail=detail), waiting)
+        return out, starved
+
+    def _rebalance(self, proposed: dict[str, tuple[ScalingDecision, ScalingState]],
+                   hungry: list[str], signals: Mapping[str, PoolSignals], now: float):
+        """A pool held at the budget with a measured latency breach takes a GPU from a pool that
+        can spare one: no breach of its own, no change of its own this round, out of its
+        cooldown, above its minimum, and its measured load still under `target_utilization`
+        with one engine fewer. The donor drains one engine; the breaching pool keeps its
+        pressure streak and scales up once that GPU is free (the next evaluations).
+
+        Seen on 4 x H100 (2026-11-27): a ramp's backlog pushed prefill to 3 of 4 GPUs; the one
+        decode engine then breached TPOT at the budget while the three prefill engines ran at
+        ~45% of capacity, and nothing moved; the static runs say 2P2D was the ratio."""
+        p, out = self.policy, dict(proposed)
+        for pool in sorted(self.bounds, key=lambda name: -_spare(signals[name])):
+            decision, state = proposed[pool]
+            s, bounds = signals[pool], self.bounds[pool]
+            if (pool in hungry or decision.delta != 0 or s.starting
+                    or s.replicas - 1 < max(bounds.min_replicas, 1)
+                    or now - state.last_change_s < p.upscale_cooldown_s
+                    or _breaching(s, self.ttft_target_s, self.tpot_target_s, p)
+                    or _load(s) * s.replicas / (s.replicas - 1) > p.target_utilization):
+                continue
+            detail = (f"{', '.join(hungry)} at the {self.max_gpus}-GPU budget with a latency breach; "
+                      f"load {_load(s):.2f} here would be "
+                      f"{_load(s) * s.replicas / (s.replicas - 1):.2f} with {s.replicas - 1}")
+            out[pool] = (replace(decision, target=decision.current - 1, reason=REBALANCE,
+                                 detail=detail), ScalingState(last_change_s=now))
+            break
         return out
+
+
+def _load(s: PoolSignals) -> float:
+    """The pool's measured load against its capacity (the larger of its kinds of work)."""
+    if s.pool == "prefill":
+        return s.prefill_utilization
+    if s.pool == "decode":
+        return max(s.decode_utilization, s.kv_usage)
+    return max(s.prefill_utilization, s.decode_utilization, s.kv_usage)
+
+
+def _spare(s: PoolSignals) -> float:
+    return 1.0 - _load(s) * s.replicas / max(s.replicas - 1, 1)
+
+
+def _breaching(s: PoolSignals, ttft_t: float, tpot_t: float, p: ScalingPolicy) -> bool:
+    if s.samples < p.min_samples:
+        return False
+    ttft = s.pool != "decode" and s.ttft_s is not None and s.ttft_s > ttft_t
+    tpot = s.pool != "prefill" and s.tpot_s is not None and s.tpot_s > tpot_t
+    return ttft or tpot
 
 
 def scaling_policy_from_config(autoscale) -> ScalingPolicy:

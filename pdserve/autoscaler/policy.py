@@ -43,6 +43,7 @@ AT_MAX = "at_max"
 AT_MIN = "at_min"
 PENDING = "pending"  # pressure seen, waiting for it to persist
 AT_BUDGET = "at_budget"  # pressure, but the shared GPU budget (autoscale.max_gpus) is spent
+REBALANCE = "rebalance"  # one engine fewer here, so a pool at the budget with a breach gets its GPU
 # Reasons that come from measured SLO breaches (served first when GPUs are short).
 LATENCY_REASONS = frozenset({TTFT_BREACH, TPOT_BREACH})
 

@@ -148,6 +148,8 @@ def _topology_args(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--max-{pool}", type=int)
     g.add_argument("--autoscale-interval-s", type=float, default=10.0)
     g.add_argument("--target-utilization", type=float, default=0.8)
+    g.add_argument("--max-gpus", type=int, help="--autoscale: GPUs the pools share (a fixed "
+                   "cluster, as autoscale.max_gpus); with --cells N, each cell gets 1/N of them")
 
 
 def _slo_args(p: argparse.ArgumentParser) -> None:
@@ -226,7 +228,8 @@ def _run(args: argparse.Namespace) -> int:
     large = len(cell.workload) > 200_000 or not args.record_itls and args.cells > 1
     config = SimConfig(profile, cell.topology, slo, scaling=ScalingPolicy(
         target_utilization=args.target_utilization), autoscale_interval_s=args.autoscale_interval_s,
-        record_itls=args.record_itls, keep_requests=not large)
+        record_itls=args.record_itls, keep_requests=not large,
+        max_gpus=None if args.max_gpus is None else max(1, args.max_gpus // args.cells))
     sim = Simulation(config)
     recorder = None
     if large:
@@ -256,7 +259,7 @@ def _run_fluid(args: argparse.Namespace) -> int:
     slo, goodput = _slos(args)
     config = SimConfig(profile, build_topology(args), slo, scaling=ScalingPolicy(
         target_utilization=args.target_utilization),
-        autoscale_interval_s=args.autoscale_interval_s)
+        autoscale_interval_s=args.autoscale_interval_s, max_gpus=args.max_gpus)
     fluid = FluidConfig(step_s=args.fluid_step_ms / 1000, max_groups=args.fluid_groups,
                         cohort_per_engine=args.fluid_cohort_per_engine)
     if args.rate_curve and args.dataset_name != "mooncake":

@@ -92,6 +92,8 @@ class SimConfig:
     keep_requests: bool = True  # per-request outcomes (off: only streaming summaries)
     # "pdserve": the production Autoscaler; "ttft_only": the reactive baseline (baselines.py).
     autoscaler: str = "pdserve"
+    # A fixed cluster: the autoscaler's shared GPU budget (`autoscale.max_gpus`); None: unbounded.
+    max_gpus: int | None = None
 
 
 @dataclass(slots=True)
@@ -336,7 +338,9 @@ def build_autoscaler(config: SimConfig) -> Autoscaler | TtftOnlyAutoscaler | Non
         raise ValueError("an autoscaled topology needs SLO targets")
     if config.autoscaler == "ttft_only":
         return TtftOnlyAutoscaler(config.topology.bounds, config.slo.ttft_s)
-    return Autoscaler(config.topology.bounds, config.slo.ttft_s, config.slo.tpot_s, config.scaling)
+    return Autoscaler(config.topology.bounds, config.slo.ttft_s, config.slo.tpot_s, config.scaling,
+                      max_gpus=config.max_gpus,
+                      gpus_per_engine={pool: config.profile.gpus for pool in config.topology.bounds})
 
 
 def simulate(config: SimConfig, workload: Workload) -> SimRun:

@@ -223,3 +223,47 @@ def test_without_a_budget_both_pools_scale():
     breach_both(sched, 0.0)
     scaler.evaluate(sched, now=20.0)
     assert {d.direction for d in scaler.evaluate(sched, now=25.0)} == {"up"}
+
+
+def three_prefill_one_decode(prompt_tokens_per_s: float, ttft_s: float) -> GlobalScheduler:
+    """3P1D on a 4-GPU budget: prompt load on prefill, a measured TPOT breach on decode."""
+    sched = scheduler()
+    for i in (1, 2):
+        sched.add_engine("prefill", f"prefill-{i}", 16, 10_000)
+    for t in range(30):
+        ticket = sched.prefill_started("prefill", f"prefill-{t % 3}", int(prompt_tokens_per_s), now=float(t))
+        sched.first_token(ticket, now=t + 0.1, observe=False)
+        sched.request_finished("prefill", "decode", now=float(t), ttft_s=ttft_s, tpot_s=0.2)
+    return sched
+
+
+def test_a_pool_breaching_at_the_budget_takes_a_gpu_from_a_pool_that_can_spare_one():
+    # 1200 prompt tokens/s over 3 engines of 1000 tok/s: ~0.4 each, ~0.6 with two (< 0.8).
+    sched = three_prefill_one_decode(1200, ttft_s=0.1)
+    scaler = Autoscaler({"prefill": PoolBounds(1, 3), "decode": PoolBounds(1, 3)}, TTFT, TPOT, POLICY,
+                        max_gpus=4)
+    scaler.evaluate(sched, now=30.0)
+    decisions = {d.pool: d for d in scaler.evaluate(sched, now=30.5)}
+    assert decisions["decode"].reason == "at_budget"
+    prefill = decisions["prefill"]
+    assert (prefill.reason, prefill.target) == ("rebalance", 2)
+    assert "decode at the 4-GPU budget" in prefill.detail and "0.58 with 2" in prefill.detail
+    # The drained prefill engine frees its GPU: decode scales on the next evaluation, and prefill
+    # gives nothing more (it is cooling down, and two engines are what its load needs).
+    sched.remove_engine("prefill", "prefill-2")
+    after = {d.pool: d for d in scaler.evaluate(sched, now=31.0)}
+    assert (after["decode"].direction, after["decode"].target) == ("up", 2)
+    assert after["prefill"].direction == "none"
+
+
+@pytest.mark.parametrize("prompt_tokens_per_s, ttft_s", [
+    (2000, 0.1),  # ~0.65 each now, ~1.0 with two engines: none to spare
+    (1200, 0.9),  # load to spare, but prefill breaches its own TTFT target
+])
+def test_no_gpu_moves_from_a_pool_that_cannot_spare_it(prompt_tokens_per_s, ttft_s):
+    sched = three_prefill_one_decode(prompt_tokens_per_s, ttft_s)
+    scaler = Autoscaler({"prefill": PoolBounds(1, 3), "decode": PoolBounds(1, 3)}, TTFT, TPOT, POLICY,
+                        max_gpus=4)
+    for now in (30.0, 30.5, 31.0):
+        decisions = {d.pool: d for d in scaler.evaluate(sched, now=now)}
+        assert decisions["prefill"].target == 3 and decisions["decode"].target == 1

@@ -104,10 +104,11 @@ def test_traced_ends_record_each_pull_in_phase_order_on_one_clock():
             assert pull(source, sink, request_id, [1, 2, 3])[0] is TransferState.DONE
         assert [t.request_id for t in sink.traces] == [t.request_id for t in source.traces] == ["first", "second"]
         for ours, theirs in zip(sink.traces, source.traces):
-            # The source reads the header after the sink sent it and finishes sending before
-            # the sink reads the reply that follows the data.
-            header_sent = ours.started_at + ours.header_sent
-            assert header_sent <= theirs.header_read <= theirs.replied <= theirs.queued <= theirs.done
+            # The source reads the header after the sink's pull began (the sink stamps
+            # `header_sent` once its send returned, which may be after the source read it) and
+            # finishes sending before the sink reads the reply that follows the data.
+            began = ours.started_at + ours.thread_start
+            assert began <= theirs.header_read <= theirs.replied <= theirs.queued <= theirs.done
             assert theirs.replied <= ours.started_at + ours.reply_read
             assert 0 < ours.thread_start <= ours.header_sent <= ours.queued <= ours.data_done <= ours.reply_read
     finally:

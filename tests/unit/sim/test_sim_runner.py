@@ -109,6 +109,24 @@ def test_autoscaler_adds_engines_under_load_and_drains_them_after(profile):
     assert run.gpu_hours() < 6 * run.end_s / 3600
 
 
+def test_a_gpu_budget_caps_what_the_autoscaled_pools_hold_together(profile):
+    heavy = at_rate("random", 600, 8.0, input_len=300, output_len=20, seed=1)
+    bounds = PoolBounds(1, 4)
+    config = SimConfig(profile, Topology.disaggregated(1, 1, bounds, bounds),
+                       slo=SloTargets(ttft_s=0.5, tpot_s=0.05), autoscale_interval_s=2.0,
+                       scaling=ScalingPolicy(upscale_cooldown_s=4.0), max_gpus=3)
+    run = simulate(config, heavy)
+    assert any(d.delta > 0 for _, d in run.decisions)  # it did want more than 1P1D
+    # Never more engines at once than the budget's GPUs; without it the pools grow past it.
+    for t in [e.created for e in run.engines]:
+        alive = [e for e in run.engines if e.created <= t and (e.removed is None or e.removed > t)]
+        assert len(alive) <= 3
+    unbounded = simulate(SimConfig(profile, Topology.disaggregated(1, 1, bounds, bounds),
+                                   slo=SloTargets(ttft_s=0.5, tpot_s=0.05), autoscale_interval_s=2.0,
+                                   scaling=ScalingPolicy(upscale_cooldown_s=4.0)), heavy)
+    assert len(unbounded.engines) > 3
+
+
 def test_rejections_count_as_failed_requests(profile):
     # One engine, a tight TTFT target and a burst: admission control refuses some requests.
     wl = at_rate("random", 100, float("inf"), input_len=500, output_len=5)
