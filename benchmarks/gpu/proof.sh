@@ -49,7 +49,7 @@ for part in "$@"; do
         --min-prompts "${PROOF_MIN_PROMPTS:-80}" ${rates[@]:+--rates "${rates[@]}"} ${PROOF_MOCK:+--mock} || echo "$name failed: $?"
       [[ $name == vllm* ]] || stop_ray  # plain vLLM runs no Ray (another part's Ray may be up)
       logs=$(cd "$out" && ls "$name-server.log" 2>/dev/null; [[ $name != vllm* ]] || ls vllm[0-9]*-server.log proxy.log 2>/dev/null
-             ls -d "$name-steps" 2>/dev/null)  # PROOF_STEP_TRACE=$out: the engines' step traces
+             ls -d "$name-steps" 2>/dev/null; true)  # PROOF_STEP_TRACE=$out: the engines' step traces
       tar -cJf "$out/$name-raw.tar.xz" -C "$out" "$name-raw" $logs
       (cd "$out" && rm -rf "$name-raw" $logs) ;;
     profile)
