@@ -25,6 +25,8 @@
 #   2d  the fixed engine profile on GPU 1 (the simulator's input)
 #   2e  the 20 ms knee: colocated x2 at 20-26 req/s, then 1P1D at 20
 # As run on 2026-11-26 on 2 x H100 (benchmarks/results/gpu/2026-11-26-h100-x2/): 2a, 2b, 2c, 2e.
+# As run on 2026-11-27 on 4 x H100 (benchmarks/results/gpu/2026-11-27-h100-x4/): i, g, h, then
+# colocated x4 at 44 and 48 req/s (`PROOF_BUDGET_S=215 proof.sh gpumodel8b arm:colocated-4:44,48`).
 # As run on 2026-11-26 (benchmarks/results/gpu/2026-11-26-h200-x4/), a to d back to back on one
 # warm host. Step a's 260 s budget stopped 1P1D after 12 req/s (it started in 143 s and each
 # rate took ~40 s, not the 20 s planned): give an arm ~120 s to start plus ~40 s per rate.
@@ -102,11 +104,11 @@ case $step in
       PROOF_BUDGET_S=500 proof arm:colocated-4:12,16,20,24,28,32,36" ;;
   g)
     stream x bash -c "$(declare -f proof); here=$here model=$model
-      PROOF_BUDGET_S=290 proof arm:2P2D:16,20,24,30,36
-      PROOF_BUDGET_S=230 proof arm:1P3D:12,16,20,24" ;;
+      PROOF_BUDGET_S=315 proof arm:2P2D:16,20,24,30,36
+      PROOF_BUDGET_S=255 proof arm:1P3D:12,16,20,24" ;;
   h)
     stream x bash -c "$(declare -f proof); here=$here model=$model
-      RAMP_PHASES=${RAMP_PHASES:-4:20:warmup,6:40:low,14:40:mid,26:150:high,6:60:after} proof ramp" ;;
+      RAMP_PHASES=${RAMP_PHASES:-4:20:warmup,6:45:low,14:45:mid,26:180:high,6:75:after} proof ramp" ;;
   i)
     stream x bash -c "$(declare -f proof); here=$here model=$model
       PROOF_BUDGET_S=290 proof arm:colocated-4:16,24,32,40,48
