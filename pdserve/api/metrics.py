@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.engine.types import EngineInfo, EngineStats
+from pdserve.scheduler.perf_model import PerfModel
 
 # Buckets span a fast GPU (TTFT ~20 ms, TPOT ~5 ms) to the 2-core CPU engine (seconds).
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -93,6 +94,12 @@ class ServingMetrics:
         self.slo_attainment = Gauge(
             "pdserve_slo_attainment_ratio", "Share of the window's requests within the target.",
             ["pool", "metric"], registry=r)
+        self.scheduler_model = Gauge(
+            "pdserve_scheduler_model", "The scheduler's performance model per pool, as refitted "
+            "from what requests show (param: prefill_tokens_per_s, prefill_overhead_seconds, "
+            "decode_step_seconds, decode_step_per_seq_seconds, pull_seconds_per_1k_tokens: a "
+            "decode leg's time to its first token, i.e. KV pull plus any wait for the engine).",
+            ["pool", "param"], registry=r)
         self.pool_replicas = Gauge("pdserve_pool_replicas", "Engines serving in each pool.",
                                    ["pool"], registry=r)
         self.pool_replicas_changing = Gauge(
@@ -158,6 +165,16 @@ class ServingMetrics:
                 self.slo_observed.labels(pool, metric).set(value)
             if attained is not None:
                 self.slo_attainment.labels(pool, metric).set(attained)
+
+    def observe_model(self, pool: str, model: PerfModel) -> None:
+        """Gauges of the scheduler's current model of `pool` (what routing and admission use)."""
+        for param, value in (
+                ("prefill_tokens_per_s", model.prefill_tokens_per_s),
+                ("prefill_overhead_seconds", model.prefill_overhead_s),
+                ("decode_step_seconds", model.decode_step_s),
+                ("decode_step_per_seq_seconds", model.decode_step_per_seq_s),
+                ("pull_seconds_per_1k_tokens", model.transfer_s(1000))):
+            self.scheduler_model.labels(pool, param).set(value)
 
     def register_engines(self, infos: Iterable[EngineInfo]) -> None:
         for info in infos:

@@ -431,6 +431,8 @@ class RayBackend:
             self._metrics.pool_replicas.labels(role.value).set(ready)
             self._metrics.pool_replicas_changing.labels(role.value, "starting").set(starting)
             self._metrics.pool_replicas_changing.labels(role.value, "draining").set(draining)
+        for role in self._pools:
+            self._metrics.observe_model(role.value, self.scheduler.model(role.value))
         if self.scheduler.slo is not None:
             now = time.monotonic()
             for role in self._pools:

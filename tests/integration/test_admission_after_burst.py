@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
 
 from pdserve.testing import tiny_tokenizer
 from pdserve.testing.burst import Phase, run_phases
-from pdserve.testing.server import start_server
+from pdserve.testing.server import metric_value, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -57,3 +58,9 @@ def test_a_burst_that_backs_up_kv_pulls_does_not_lock_admission_out(server, tmp_
     # so nothing predicts a TTFT past the limit (its decode legs' wait shows in TPOT only).
     burst = [o for o in run.outcomes if o.phase == "burst"]
     assert burst and all(o.status == 200 and o.output_tokens == 16 for o in burst)
+    # The model routing and admission use is on /metrics, so a surprise like the H100 one can
+    # be read off a dashboard (pdserve_scheduler_model).
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for pool, param in (("prefill", "prefill_tokens_per_s"), ("decode", "decode_step_seconds"),
+                        ("decode", "pull_seconds_per_1k_tokens")):
+        assert (metric_value(text, "pdserve_scheduler_model", pool=pool, param=param) or 0) > 0
