@@ -127,6 +127,30 @@ def test_a_gpu_budget_caps_what_the_autoscaled_pools_hold_together(profile):
     assert len(unbounded.engines) > 3
 
 
+def test_at_the_budget_a_gpu_moves_from_the_pool_that_can_spare_it(profile):
+    # Long prompts with 2-token answers grow prefill (and decode: their token 2 waits for the
+    # pull), then short prompts with long answers breach decode's TPOT at the 4-GPU budget
+    # while prefill idles: a prefill engine drains so that decode can grow into its GPU.
+    prefill_heavy = at_rate("random", 660, 5.5, input_len=500, output_len=2, seed=1)
+    decode_heavy = at_rate("random", 1800, 6.0, input_len=50, output_len=200, seed=2)
+    decode_heavy = type(decode_heavy)(decode_heavy.arrivals + prefill_heavy.arrivals[-1] + 1,
+                                      decode_heavy.prompts, decode_heavy.outputs)
+    bounds = PoolBounds(1, 3)
+    config = SimConfig(profile, Topology.disaggregated(1, 1, bounds, bounds),
+                       slo=SloTargets(ttft_s=0.5, tpot_s=0.05), autoscale_interval_s=2.0,
+                       scaling=ScalingPolicy(upscale_cooldown_s=4.0), max_gpus=4, record_itls=False)
+    run = simulate(config, concat([prefill_heavy, decode_heavy]))
+    moved = [(t, d) for t, d in run.decisions if d.reason == policy.REBALANCE]
+    assert moved and all(d.pool == "prefill" and d.delta == -1 for _, d in moved)
+    t_moved = moved[0][0]
+    assert t_moved > decode_heavy.arrivals[0]  # in the decode-heavy phase
+    grown = [d for t, d in run.decisions if t > t_moved and d.pool == "decode" and d.delta > 0]
+    assert grown and max(d.target for d in grown) == 3  # into the GPU prefill gave up
+    for t in [e.created for e in run.engines]:
+        alive = [e for e in run.engines if e.created <= t and (e.removed is None or e.removed > t)]
+        assert len(alive) <= 4
+
+
 def test_rejections_count_as_failed_requests(profile):
     # One engine, a tight TTFT target and a burst: admission control refuses some requests.
     wl = at_rate("random", 100, float("inf"), input_len=500, output_len=5)
