@@ -155,7 +155,7 @@ def _serve_source(conn, shape: Shape, num_blocks: int, staging_bytes: int) -> No
             if command[0] == "pin":
                 source.pin(command[1], command[2])
             elif command[0] == "source_traces":  # the last N pulls' SourceTraces, as dicts
-                conn.send([asdict(t) for t in list(source.traces)[-command[1]:]])
+                conn.send([asdict(t) for t in source.completed_traces(command[1])])
                 continue
             elif command[0] == "socket":
                 _socket_send(command[1], command[2], command[3])

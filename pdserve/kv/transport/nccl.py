@@ -182,6 +182,21 @@ class NcclSource(GrpcSource):
                 listener.close()
                 pair.abort()
 
+    def completed_traces(self, count: int | None = None, timeout_s: float = 10.0) -> list[SourceTrace]:
+        """The last `count` kept traces (all if None) once this side has finished each pull they
+        record. A sink's pull can end a moment before the pair thread stamps its own end, so a
+        benchmark reading traces right after its pulls waits here. Raises TimeoutError."""
+        if self.traces is None:
+            raise RuntimeError("this NcclSource keeps no traces (trace=False)")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            traces = list(self.traces)[-count:] if count else list(self.traces)
+            if all(t.done for t in traces):
+                return traces
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{sum(not t.done for t in traces)} pulls still sending")
+            time.sleep(0.001)
+
     def _serve_pair(self, pair: Pair, listener: socket.socket, key: bytes) -> None:
         try:
             pair.join(rank=0, host=self.host)
@@ -215,6 +230,8 @@ class NcclSource(GrpcSource):
         except (LookupError, ValueError) as exc:
             control.send_frame(conn, control.reply_to_wire(str(exc)))
             self._send(pair, header.block_ids, gather=False)
+            if trace is not None:
+                trace.refused, trace.done = True, time.monotonic()
             return
         sent = False
         try:
@@ -273,7 +290,8 @@ class SourceTrace:
     header_read: float  # the sink's header frame was read (the pair thread woke)
     replied: float = 0.0  # the answer frame left
     queued: float = 0.0  # every gather and send is queued
-    done: float = 0.0  # the GPU finished the last send (host saw it)
+    done: float = 0.0  # the GPU finished the last send (host saw it); 0 while still sending
+    refused: bool = False  # the blocks were not readable: stale bytes went out instead
 
 
 @dataclass(slots=True)

@@ -102,8 +102,10 @@ def test_traced_ends_record_each_pull_in_phase_order_on_one_clock():
     try:
         for request_id in ("first", "second"):
             assert pull(source, sink, request_id, [1, 2, 3])[0] is TransferState.DONE
-        assert [t.request_id for t in sink.traces] == [t.request_id for t in source.traces] == ["first", "second"]
-        for ours, theirs in zip(sink.traces, source.traces):
+        # The sink's pull can end before the source's thread stamps its own end: wait for it.
+        theirs_all = source.completed_traces()
+        assert [t.request_id for t in sink.traces] == [t.request_id for t in theirs_all] == ["first", "second"]
+        for ours, theirs in zip(sink.traces, theirs_all):
             # The source reads the header after the sink's pull began (the sink stamps
             # `header_sent` once its send returned, which may be after the source read it) and
             # finishes sending before the sink reads the reply that follows the data.
