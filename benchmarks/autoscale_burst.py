@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pdserve.testing import tiny_tokenizer
+from pdserve.testing import save_tiny_model
 from pdserve.testing.burst import Phase, run_phases
 from pdserve.testing.server import start_server
 
@@ -54,9 +54,7 @@ def main() -> int:
                   "--ttft-ms", str(args.ttft_ms), "--tpot-ms", str(args.tpot_ms),
                   "--served-model-name", "tiny"]
         if args.engine == "mock":
-            model_dir = Path(tmp) / "tiny"
-            tiny_tokenizer().save_pretrained(model_dir)
-            (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
+            model_dir = save_tiny_model(Path(tmp) / "tiny")
             serve_args = [
                 "--engine", "mock", "--model", str(model_dir), *common,
                 "--max-prefill", "4", "--max-decode", "4",

@@ -62,6 +62,16 @@ def start_server(args: list[str], log_path: Path, start_timeout_s: float = 600) 
     return start_process(command, port, log_path, start_timeout_s)
 
 
+def start_mock_server(args: list[str], workdir: Path, start_timeout_s: float = 180) -> RunningServer:
+    """`pdserve serve --engine mock ARGS` over a tiny tokenizer-only model made under `workdir`
+    (no weights, no download); the log goes to `workdir/pdserve.log`."""
+    from pdserve.testing.tokenizer import save_tiny_model
+
+    model_dir = save_tiny_model(Path(workdir) / "tiny-model")
+    return start_server(["--engine", "mock", "--model", str(model_dir), *args],
+                        Path(workdir) / "pdserve.log", start_timeout_s)
+
+
 def start_process(command: list[str], port: int, log_path: Path, start_timeout_s: float,
                   env: dict[str, str] | None = None) -> RunningServer:
     """Start any OpenAI-compatible server process (pdserve, plain vLLM) and wait for /health."""

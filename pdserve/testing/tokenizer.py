@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 _CHAT_TEMPLATE = (
@@ -28,3 +30,12 @@ def tiny_tokenizer(words: int = 512) -> Any:
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tok.chat_template = _CHAT_TEMPLATE
     return tok
+
+
+def save_tiny_model(path: Path) -> Path:
+    """A model directory the mock engine serves: the tiny tokenizer and a Llama config.json,
+    no weights. Returns `path`."""
+    path = Path(path)
+    tiny_tokenizer().save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return path

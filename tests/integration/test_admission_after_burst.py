@@ -12,19 +12,17 @@ prompt, ~2.3 requests/s), so a 4 req/s burst leaves its decode legs waiting many
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import pytest
 
-from pdserve.testing import tiny_tokenizer
 from pdserve.testing.burst import Phase, run_phases
-from pdserve.testing.server import metric_value, start_server
+from pdserve.testing.server import metric_value, start_mock_server
 
 pytestmark = pytest.mark.integration
 
 SERVE_ARGS = [
-    "--engine", "mock", "--served-model-name", "tiny", "--mode", "disaggregated",
+    "--served-model-name", "tiny", "--mode", "disaggregated",
     "--prefill", "1", "--decode", "1", "--ttft-ms", "1500", "--tpot-ms", "150",
     "--set", "engine.mock.prefill_tokens_per_s=5000", "--set", "engine.mock.decode_step_s=0.03",
     "--set", "engine.mock.transfer_bytes_per_s=3e8", "--set", "engine.mock.max_model_len=4096",
@@ -35,11 +33,7 @@ SERVE_ARGS = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("tiny-model")
-    tiny_tokenizer().save_pretrained(model_dir)
-    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    log = tmp_path_factory.mktemp("server") / "pdserve.log"
-    running = start_server([*SERVE_ARGS, "--model", str(model_dir)], log, start_timeout_s=180)
+    running = start_mock_server(SERVE_ARGS, tmp_path_factory.mktemp("server"))
     yield running
     running.stop()
 

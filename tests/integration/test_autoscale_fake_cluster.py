@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pdserve.testing import tiny_tokenizer
+from pdserve.testing import save_tiny_model
 from pdserve.testing.burst import Phase, run_phases
 from pdserve.testing.server import free_port, start_server
 
@@ -109,9 +109,7 @@ def cluster(tmp_path_factory):
 
 def test_a_prefill_scale_up_brings_up_a_prefill_node(cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", _ray_env()["RAY_AUTH_MODE"])  # the server joins it
-    model_dir = tmp_path / "tiny-model"
-    tiny_tokenizer().save_pretrained(model_dir)
-    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    model_dir = save_tiny_model(tmp_path / "tiny-model")
     assert _count(_nodes(cluster), "pdserve_prefill") == 0  # nothing until pdserve asks
     server = start_server(
         ["--engine", "mock", "--model", str(model_dir), "--served-model-name", "tiny",

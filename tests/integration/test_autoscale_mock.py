@@ -5,13 +5,11 @@ pool shrinks back after the burst without failing a request."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 
-from pdserve.testing import tiny_tokenizer
 from pdserve.testing.burst import Phase, run_phases
-from pdserve.testing.server import start_server
+from pdserve.testing.server import start_mock_server
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +20,7 @@ TTFT_S, TPOT_S = 1.5, 0.3
 # (local_prefill_max_tokens=0): with it, the decode engine prefills part of the burst itself,
 # the prefill pool's load sits near the scale-up threshold and whether it grows is chance.
 SERVE_ARGS = [
-    "--engine", "mock", "--served-model-name", "tiny", "--mode", "disaggregated",
+    "--served-model-name", "tiny", "--mode", "disaggregated",
     "--prefill", "1", "--decode", "1", "--autoscale", "--ttft-ms", "1500", "--tpot-ms", "300",
     "--min-prefill", "1", "--max-prefill", "3", "--min-decode", "1", "--max-decode", "3",
     "--set", "engine.mock.prefill_tokens_per_s=5000", "--set", "engine.mock.decode_step_s=0.03",
@@ -37,11 +35,7 @@ SERVE_ARGS = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("tiny-model")
-    tiny_tokenizer().save_pretrained(model_dir)
-    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    log = tmp_path_factory.mktemp("server") / "pdserve.log"
-    running = start_server([*SERVE_ARGS, "--model", str(model_dir)], log, start_timeout_s=180)
+    running = start_mock_server(SERVE_ARGS, tmp_path_factory.mktemp("server"))
     yield running
     running.stop()
 

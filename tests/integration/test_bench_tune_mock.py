@@ -13,17 +13,14 @@ import pytest
 
 from pdserve.bench import cli
 from pdserve.bench.service import ServeProcess
-from pdserve.testing import tiny_tokenizer
+from pdserve.testing import save_tiny_model
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
 def tiny_model_dir(tmp_path):
-    model_dir = tmp_path / "tiny-model"
-    tiny_tokenizer().save_pretrained(model_dir)
-    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    return model_dir
+    return save_tiny_model(tmp_path / "tiny-model")
 
 
 def test_tune_starts_searches_and_stops_each_candidate(tiny_model_dir, tmp_path, monkeypatch, capsys):

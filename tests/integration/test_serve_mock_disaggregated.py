@@ -16,7 +16,7 @@ import signal
 import httpx
 import pytest
 
-from pdserve.testing import tiny_tokenizer
+from pdserve.testing import save_tiny_model, tiny_tokenizer
 from pdserve.testing.server import metric_value, start_server, wait_for_metrics
 
 pytestmark = pytest.mark.integration
@@ -24,10 +24,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny_tokenizer().save_pretrained(path)
-    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    return path
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="module")

@@ -12,22 +12,17 @@ import httpx
 import psutil
 import pytest
 
-from pdserve.testing import tiny_tokenizer
-from pdserve.testing.server import metric_value, start_server, wait_for_metrics
+from pdserve.testing.server import metric_value, start_mock_server, wait_for_metrics
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("tiny-model")
-    tiny_tokenizer().save_pretrained(model_dir)
-    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    log = tmp_path_factory.mktemp("server") / "pdserve.log"
-    running = start_server(
-        ["--engine", "mock", "--model", str(model_dir), "--served-model-name", "tiny",
-         "--mode", "colocated", "--replicas", "2", "--set", "pools.colocated.num_cpus=0.5",
-         "--set", "engine.mock.decode_step_s=0.02"], log, start_timeout_s=180)
+    running = start_mock_server(
+        ["--served-model-name", "tiny", "--mode", "colocated", "--replicas", "2",
+         "--set", "pools.colocated.num_cpus=0.5", "--set", "engine.mock.decode_step_s=0.02"],
+        tmp_path_factory.mktemp("server"))
     yield running
     running.stop()
 
