@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import lzma
+import shlex
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -35,7 +36,7 @@ from pdserve.autoscaler.policy import PoolBounds
 from pdserve.config.schema import AutoscaleConfig
 from pdserve.scheduler.routing import SloTargets
 from pdserve.sim.engine_profile import EngineProfile
-from pdserve.sim.runner import SimConfig, Simulation, Topology
+from pdserve.sim.runner import SimConfig, Topology, simulate
 from pdserve.sim.workload import Workload
 
 BUCKET_S = 10.0
@@ -58,8 +59,24 @@ def _serve_settings(summary: dict) -> dict[str, str]:
     return out
 
 
+def _prompt_tokens(summary: dict) -> int:
+    """`--prompt-tokens` of the GPU run's `autoscale_burst.py` command line."""
+    args = shlex.split(summary["command"])
+    return int(args[args.index("--prompt-tokens") + 1])
+
+
 def _p90(values: list[float]) -> float | None:
     return round(float(np.percentile(values, 90)) * 1e3, 1) if values else None
+
+
+def _buckets() -> defaultdict[int, dict]:
+    return defaultdict(lambda: {"admitted": 0, "refused": 0, "ttft": [], "tpot": []})
+
+
+def _rows(buckets: dict[int, dict]) -> list[dict]:
+    return [{"t": k * BUCKET_S, "admitted": b["admitted"], "refused": b["refused"],
+             "ttft_p90_ms": _p90(b["ttft"]), "tpot_p90_ms": _p90(b["tpot"])}
+            for k, b in sorted(buckets.items())]
 
 
 def replay(run: dict, summary: dict, profile: EngineProfile) -> dict:
@@ -70,7 +87,7 @@ def replay(run: dict, summary: dict, profile: EngineProfile) -> dict:
         edges.append((t, t + ph["seconds"], ph["name"]))
         t += ph["seconds"]
     arrivals = np.array([o["sent_s"] for o in outcomes])
-    prompt = int(summary.get("prompt_tokens", 2048))
+    prompt = _prompt_tokens(summary)
     output = max(o["output_tokens"] for o in outcomes)
     workload = Workload(arrivals, np.full(len(arrivals), prompt), np.full(len(arrivals), output),
                         name="gpu ramp arrivals")
@@ -83,14 +100,13 @@ def replay(run: dict, summary: dict, profile: EngineProfile) -> dict:
                        autoscale_interval_s=auto.interval_s, sample_interval_s=1.0,
                        window_s=float(settings.get("scheduler.window_s", 30)),
                        record_itls=False, max_gpus=int(settings["max-gpus"]))
-    sim = Simulation(config)
-    result = sim.run(workload)
+    result = simulate(config, workload)
     resp = profile.response_s
 
     def phase_of(t: float) -> str:
         return next((name for lo, hi, name in edges if lo <= t < hi), edges[-1][2])
 
-    buckets: dict[int, dict] = defaultdict(lambda: {"admitted": 0, "refused": 0, "ttft": [], "tpot": []})
+    buckets = _buckets()
     met: dict[str, list[bool]] = defaultdict(list)
     for req in result.requests:
         b = buckets[int(req.arrival // BUCKET_S)]
@@ -108,10 +124,8 @@ def replay(run: dict, summary: dict, profile: EngineProfile) -> dict:
     pools = defaultdict(dict)
     for s in result.samples:
         pools[int(s.t // BUCKET_S)][s.pool] = s.ready
-    rows = [{"t": k * BUCKET_S, "admitted": b["admitted"], "refused": b["refused"],
-             "ttft_p90_ms": _p90(b["ttft"]), "tpot_p90_ms": _p90(b["tpot"]),
-             "prefill": pools[k].get("prefill"), "decode": pools[k].get("decode")}
-            for k, b in sorted(buckets.items())]
+    rows = [{**row, "prefill": pools[int(row["t"] // BUCKET_S)].get("prefill"),
+             "decode": pools[int(row["t"] // BUCKET_S)].get("decode")} for row in _rows(buckets)]
     return {
         "requests": len(result.requests), "refused": sum(r["refused"] for r in rows),
         "rejected_by_reason": result.rejected,
@@ -124,7 +138,7 @@ def replay(run: dict, summary: dict, profile: EngineProfile) -> dict:
 
 def gpu_buckets(run: dict) -> list[dict]:
     """The GPU run's own per-bucket counts, for the side-by-side table."""
-    buckets: dict[int, dict] = defaultdict(lambda: {"admitted": 0, "refused": 0, "ttft": [], "tpot": []})
+    buckets = _buckets()
     for o in run["outcomes"]:
         b = buckets[int(o["sent_s"] // BUCKET_S)]
         if o["status"] == 200:
@@ -134,9 +148,7 @@ def gpu_buckets(run: dict) -> list[dict]:
                 b["tpot"].append(o["tpot_s"])
         else:
             b["refused"] += 1
-    return [{"t": k * BUCKET_S, "admitted": b["admitted"], "refused": b["refused"],
-             "ttft_p90_ms": _p90(b["ttft"]), "tpot_p90_ms": _p90(b["tpot"])}
-            for k, b in sorted(buckets.items())]
+    return _rows(buckets)
 
 
 def main() -> int:

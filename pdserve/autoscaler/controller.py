@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from pdserve.autoscaler.policy import (
     AT_BUDGET, LATENCY_REASONS, REBALANCE, PoolBounds, PoolSignals, ScalingDecision, ScalingPolicy,
-    ScalingState, decide,
+    ScalingState, decide, latency_breaches,
 )
 from pdserve.scheduler.scheduler import GlobalScheduler
 
@@ -99,18 +99,19 @@ class Autoscaler:
         decode engine then breached TPOT at the budget while the three prefill engines ran at
         ~45% of capacity, and nothing moved; the static runs say 2P2D was the ratio."""
         p, out = self.policy, dict(proposed)
-        for pool in sorted(self.bounds, key=lambda name: -_spare(signals[name])):
+        # The pool whose load would stay lowest with one engine fewer gives first.
+        for pool in sorted(self.bounds, key=lambda name: _load_with_one_fewer(signals[name])):
             decision, state = proposed[pool]
             s, bounds = signals[pool], self.bounds[pool]
+            after = _load_with_one_fewer(s)
             if (pool in hungry or decision.delta != 0 or s.starting
                     or s.replicas - 1 < max(bounds.min_replicas, 1)
                     or now - state.last_change_s < p.upscale_cooldown_s
-                    or _breaching(s, self.ttft_target_s, self.tpot_target_s, p)
-                    or _load(s) * s.replicas / (s.replicas - 1) > p.target_utilization):
+                    or any(latency_breaches(s, self.ttft_target_s, self.tpot_target_s, p))
+                    or after > p.target_utilization):
                 continue
             detail = (f"{', '.join(hungry)} at the {self.max_gpus}-GPU budget with a latency breach; "
-                      f"load {_load(s):.2f} here would be "
-                      f"{_load(s) * s.replicas / (s.replicas - 1):.2f} with {s.replicas - 1}")
+                      f"load {_load(s):.2f} here would be {after:.2f} with {s.replicas - 1}")
             out[pool] = (replace(decision, target=decision.current - 1, reason=REBALANCE,
                                  detail=detail), ScalingState(last_change_s=now))
             break
@@ -126,16 +127,9 @@ def _load(s: PoolSignals) -> float:
     return max(s.prefill_utilization, s.decode_utilization, s.kv_usage)
 
 
-def _spare(s: PoolSignals) -> float:
-    return 1.0 - _load(s) * s.replicas / max(s.replicas - 1, 1)
-
-
-def _breaching(s: PoolSignals, ttft_t: float, tpot_t: float, p: ScalingPolicy) -> bool:
-    if s.samples < p.min_samples:
-        return False
-    ttft = s.pool != "decode" and s.ttft_s is not None and s.ttft_s > ttft_t
-    tpot = s.pool != "prefill" and s.tpot_s is not None and s.tpot_s > tpot_t
-    return ttft or tpot
+def _load_with_one_fewer(s: PoolSignals) -> float:
+    """The load each engine would carry with one engine fewer (a lone engine: its own load)."""
+    return _load(s) * s.replicas / max(s.replicas - 1, 1)
 
 
 def scaling_policy_from_config(autoscale) -> ScalingPolicy:

@@ -158,24 +158,35 @@ def decide(signals: PoolSignals, state: ScalingState, bounds: PoolBounds, ttft_t
     return result(n - 1, IDLE, comfort, ScalingState(last_change_s=now))
 
 
+def latency_breaches(s: PoolSignals, ttft_t: float, tpot_t: float,
+                     p: ScalingPolicy) -> tuple[bool, bool]:
+    """(TTFT, TPOT) over target at the SLO percentile, each only for a pool that serves that
+    phase and only with enough samples to trust the percentile."""
+    if s.samples < p.min_samples:
+        return False, False
+    ttft = s.pool in ("prefill", "colocated") and s.ttft_s is not None and s.ttft_s > ttft_t
+    tpot = s.pool in ("decode", "colocated") and s.tpot_s is not None and s.tpot_s > tpot_t
+    return ttft, tpot
+
+
 def _pressure(s: PoolSignals, ttft_t: float, tpot_t: float,
               p: ScalingPolicy) -> tuple[str, str, float] | None:
     """(reason, detail, load as a multiple of capacity) of the strongest pressure, or None."""
-    trusted = s.samples >= p.min_samples
+    ttft_breach, tpot_breach = latency_breaches(s, ttft_t, tpot_t, p)
     # A latency breach says "more", not "how many": a backlog keeps latency high for a while
     # after capacity is back. Its load is one engine more than now, unless the measured load
     # (arrivals over capacity) asks for more.
     one_more = p.target_utilization * (s.replicas + 1) / max(s.replicas, 1)
     found: list[tuple[str, str, float]] = []
     if s.pool in ("prefill", "colocated"):
-        if trusted and s.ttft_s is not None and s.ttft_s > ttft_t:
+        if ttft_breach:
             found.append((TTFT_BREACH, f"TTFT {s.ttft_s * 1e3:.0f} ms > {ttft_t * 1e3:.0f} ms",
                           max(s.prefill_utilization, one_more)))
         if s.prefill_utilization > p.target_utilization:
             found.append((PREFILL_LOAD, f"prefill load {s.prefill_utilization:.2f}",
                           s.prefill_utilization))
     if s.pool in ("decode", "colocated"):
-        if trusted and s.tpot_s is not None and s.tpot_s > tpot_t:
+        if tpot_breach:
             found.append((TPOT_BREACH, f"TPOT {s.tpot_s * 1e3:.1f} ms > {tpot_t * 1e3:.1f} ms",
                           max(s.decode_utilization, one_more)))
         if s.kv_usage > p.kv_high:
