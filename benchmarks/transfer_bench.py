@@ -17,6 +17,8 @@ setup), timed from start_pull to DONE. On CUDA the NCCL rows also give where a p
 GPU-side bandwidth (CUDA events from the first receive queued to the last scatter done).
 `--sweep` runs benchmarks/transfer_sweep.py instead (staging batch size x ring depth x NCCL
 channels, each row against a peer copy of the same run).
+`--torch-profile DIR` also records 3 NCCL pulls per size under torch's profiler on both ends and
+prints each GPU's kernel timeline (do block copies, sends and receives overlap?).
 `--gil-load` runs a pure-Python busy thread in both processes during the pulls, as a vLLM
 engine's loop does, to show what thread hand-offs cost there. Not a test: nothing asserts on speed.
 """
@@ -150,9 +152,16 @@ def _serve_source(conn, shape: Shape, num_blocks: int, staging_bytes: int) -> No
 
     source = make_source(staging_bytes)
     conn.send(source.address)
+    profiler = None
     while (command := conn.recv())[0] != "stop":
         try:
-            if command[0] == "pin":
+            if command[0] == "profile_start":
+                profiler = torch_profiler()
+                profiler.start()
+            elif command[0] == "profile_stop":  # ("profile_stop", path): stop, write the trace
+                profiler.stop()
+                profiler.export_chrome_trace(command[1])
+            elif command[0] == "pin":
                 source.pin(command[1], command[2])
             elif command[0] == "source_traces":  # the last N pulls' SourceTraces, as dicts
                 conn.send([asdict(t) for t in source.completed_traces(command[1])])
@@ -169,6 +178,32 @@ def _serve_source(conn, shape: Shape, num_blocks: int, staging_bytes: int) -> No
             continue
         conn.send("ok")
     source.close()
+
+
+def torch_profiler():
+    """A torch profiler of host calls and GPU kernels and copies (started by the caller)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+def kernel_timeline(trace_path: Path) -> list[tuple[float, float, str]]:
+    """(start ms, duration ms, name) of each GPU kernel and copy of a chrome trace, from the
+    first one; names shortened to what tells them apart (NCCL send/recv, the block copy)."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy")), key=lambda e: e["ts"])
+    if not gpu:
+        return []
+    t0 = gpu[0]["ts"]
+    return [((e["ts"] - t0) / 1e3, e.get("dur", 0) / 1e3, _short_kernel(e["name"])) for e in gpu]
+
+
+def _short_kernel(name: str) -> str:
+    for key, short in (("SendRecv", "nccl"), ("Send", "nccl send"), ("Recv", "nccl recv"),
+                       ("_runs_kernel", "block copy"), ("Memcpy", "memcpy")):  # fmt: skip
+        if key in name:
+            return short
+    return name[:40]
 
 
 def _socket_send(port: int, nbytes: int, repeats: int) -> None:
@@ -213,23 +248,47 @@ class Bench:
         the last pull, so `verify_last_pull` cannot pass on an earlier pull's bytes."""
         seconds = []
         for attempt in range(self.args.repeats + 1):
-            self.pulls += 1
-            request_id = f"bench-{self.pulls}"
-            src = self.rng.sample(range(self.num_blocks), blocks_per_pull)
-            dst = self.rng.sample(range(self.num_blocks), blocks_per_pull)
             if attempt == self.args.repeats:
                 for region in self.dst_regions:
                     region.tensor.zero_()
                 if self.shape.sink_device.startswith("cuda"):
                     torch.cuda.synchronize(self.shape.sink_device)
-            pin(request_id, src)
-            transfer = sink.start_pull(address, request_id, src, dst)
-            if transfer.wait(wait_s) is not TransferState.DONE:
-                raise RuntimeError(f"pull failed: {transfer}")
+            elapsed = self.pull_once(sink, blocks_per_pull, address, pin, wait_s)
             if attempt:
-                seconds.append(transfer.elapsed_s)
-        self.last_pull = (src, dst)
+                seconds.append(elapsed)
         return seconds
+
+    def pull_once(self, sink, blocks_per_pull: int, address: str, pin, wait_s: float = 300) -> float:
+        """One pull of random source blocks into random destination blocks; its seconds."""
+        self.pulls += 1
+        request_id = f"bench-{self.pulls}"
+        src = self.rng.sample(range(self.num_blocks), blocks_per_pull)
+        dst = self.rng.sample(range(self.num_blocks), blocks_per_pull)
+        pin(request_id, src)
+        transfer = sink.start_pull(address, request_id, src, dst)
+        if transfer.wait(wait_s) is not TransferState.DONE:
+            raise RuntimeError(f"pull failed: {transfer}")
+        self.last_pull = (src, dst)
+        return transfer.elapsed_s
+
+    def profile_pulls(self, sink, blocks_per_pull: int, pin, stem: Path, count: int = 3) -> None:
+        """`count` pulls under torch's profiler on both ends: writes STEM-sink.json and
+        STEM-source.json (chrome traces) and prints both GPUs' kernel timelines, which show
+        whether block copies, sends and receives overlap."""
+        self.command("profile_start")
+        profiler = torch_profiler()
+        profiler.start()
+        try:
+            for _ in range(count):
+                self.pull_once(sink, blocks_per_pull, self.address, pin)
+        finally:
+            profiler.stop()
+            self.command("profile_stop", f"{stem}-source.json")
+        profiler.export_chrome_trace(f"{stem}-sink.json")
+        for side in ("source", "sink"):
+            print(f"{stem.name} {side} GPU timeline (start ms, duration ms, kernel):")
+            for start, duration, name in kernel_timeline(Path(f"{stem}-{side}.json")):
+                print(f"  {start:9.3f} {duration:8.3f}  {name}")
 
     def verify_last_pull(self) -> bool:
         """Whether the last pull's destination blocks hold exactly the source blocks named."""
@@ -341,6 +400,10 @@ def run(args: argparse.Namespace) -> tuple[Shape, list[Result]]:
                     phases, gpu_gbps = trace_summary(sink, args.repeats, bench.source_traces(args.repeats))
                     verified = bench.verify_last_pull()
                     results.append(Result(name, nbytes, seconds, "", phases, gpu_gbps, verified))
+                    if args.torch_profile and name == "nccl" and shape.sink_device.startswith("cuda"):
+                        args.torch_profile.mkdir(parents=True, exist_ok=True)
+                        stem = args.torch_profile / f"nccl-{nbytes >> 20}MiB"
+                        bench.profile_pulls(sink, blocks_per_pull, remote_pin, stem)
                 if "fake" in wanted:
                     pin = fake_source.pin
                     seconds = bench.time_pulls(fake_sink, blocks_per_pull, fake_source.address, pin)
@@ -432,6 +495,13 @@ def main() -> int:
         "--gil-load",
         action="store_true",
         help="a busy pure-Python thread in both processes (as in an engine)",
+    )
+    parser.add_argument(
+        "--torch-profile",
+        type=Path,
+        metavar="DIR",
+        help="CUDA: after each size's NCCL row, 3 more pulls under torch's profiler on both ends "
+        "(chrome traces in DIR, kernel timelines printed)",
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()

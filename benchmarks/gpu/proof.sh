@@ -70,7 +70,7 @@ for part in "$@"; do
         --batches 1 8 32 64 128 --prefill-batch 16 --prefill-len 2048 --vocab-size 30000 \
         --step-trace "$out/steps" --mixed-requests 64 --mixed-rate 8 --context-len 2048 --note "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), vLLM 0.24 dummy Llama-8B shape" \
         --out "$out/profile.json" || echo "profile failed: $?"
-      kill $pid; wait $pid 2>/dev/null; stop_ray
+      kill $pid; wait $pid 2>/dev/null || true; stop_ray  # a killed server exits non-zero (set -e)
       xz -f "$out/profile-server.log"; tar -cJf "$out/profile-steps.tar.xz" -C "$out" steps && rm -rf "$out/steps" ;;
     ramp)
       trap stop_ray EXIT

@@ -14,8 +14,10 @@ fixed seed, 64 output tokens, ignore_eos). The API returns text, not token ids, 
 compared as text: per request, equal or the first differing character. With random bf16
 weights, TP 1 and TP 2 may legitimately diverge (different reduction order), so a disaggregated
 arm is compared with the colocated arm of its decode TP (p1-d2 with colocated-tp2, p2-d1 with
-colocated-tp1) and with every other arm. Also reads the KV pulls from /metrics
-(pdserve_kv_transfer_seconds) and the decode engine's "pulled N blocks" log lines. Writes JSON
+colocated-tp1) and with every other arm. Then it sends WARM_REQUESTS more prompts one at a
+time: their pulls run on pairs already set up, so they time the transfer itself (the first
+pulls of an arm include NCCL pair set-up, ~200 ms). Reads the KV pulls of both phases from
+/metrics (pdserve_kv_transfer_seconds) and the decode engine's "pulled N blocks" log lines. Writes JSON
 to --out and prints a table. About 60-90 s to start each arm; under 6 minutes for all.
 """
 
@@ -25,6 +27,7 @@ import argparse
 import json
 import random
 import re
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +48,10 @@ OUTPUT_TOKENS = 64
 # Token ids drawn from here exist in any Llama-3 (128k) or small test vocabulary's middle.
 TOKEN_RANGE = (1000, 30000)
 CONCURRENCY = 4
+# Warm requests, sent one at a time after the compared workload; and how long to let the
+# engines' log lines reach the log file before counting them.
+WARM_REQUESTS = 8
+LOG_SETTLE_S = 2.0
 _PULL_LOG = re.compile(r"pulled (\d+) blocks \(([\d.]+) MiB\) in ([\d.]+) ms")
 
 # name -> (GPUs, pdserve serve flags)
@@ -87,8 +94,11 @@ def complete(base_url: str, prompt: list[int]) -> dict:
     }
 
 
-def run_arm(name: str, model: str, engine: str, out_dir: Path, workload: list[list[int]]) -> dict:
-    """Starts one arm, sends the workload, reads the KV pulls, stops it (always)."""
+def run_arm(
+    name: str, model: str, engine: str, out_dir: Path, workload: list[list[int]], warm_workload: list[list[int]]
+) -> dict:
+    """Starts one arm, sends the workload (compared across arms), then the warm workload one request
+    at a time (pull times on set-up pairs), reads the KV pulls, stops it (always)."""
     gpus, mode = ARMS[name]
     port = free_port()
     command = [sys.executable, "-m", "pdserve", "serve", "--port", str(port),
@@ -102,6 +112,13 @@ def run_arm(name: str, model: str, engine: str, out_dir: Path, workload: list[li
         with ThreadPoolExecutor(CONCURRENCY) as pool:
             results = list(pool.map(lambda p: complete(server.base_url, p), workload))
         after = kv_counters_safe(server.base_url)
+        # Warm pulls: the pairs are set up now; one request at a time, so a pull's time is the
+        # transfer and its hand-offs, not set-up or a queue behind other pulls.
+        time.sleep(LOG_SETTLE_S)
+        cold_lines = len(_PULL_LOG.findall(log.read_text(errors="replace")))
+        warm_results = [complete(server.base_url, p) for p in warm_workload]
+        warm_after = kv_counters_safe(server.base_url)
+        time.sleep(LOG_SETTLE_S)
     finally:
         server.stop(timeout_s=90)
     pulls = [[float(x) for x in m.groups()] for m in _PULL_LOG.finditer(log.read_text(errors="replace"))]
@@ -110,9 +127,11 @@ def run_arm(name: str, model: str, engine: str, out_dir: Path, workload: list[li
         "command": " ".join(command),
         "start_s": round(start_s, 1),
         "requests": results,
-        "kv_metrics": {k: (after[k] or 0) - (before.get(k) or 0) if after.get(k) is not None else None
-                       for k in after},  # fmt: skip
-        "pulls_logged": pulls,  # [blocks, MiB, ms] per decode-rank pull log line
+        "kv_metrics": _delta(before, after),
+        "pulls_logged": pulls[:cold_lines],  # [blocks, MiB, ms] per decode-rank pull log line
+        "warm_requests": warm_results,
+        "warm_kv_metrics": _delta(after, warm_after),
+        "warm_pulls_logged": pulls[cold_lines:],  # the same, for the warm, sequential requests
         "log": str(log),
     }
 
@@ -123,6 +142,11 @@ KV_METRICS = {
     "bytes": "pdserve_kv_transfer_bytes_total",
     "failures": "pdserve_kv_transfer_failures_total",
 }
+
+
+def _delta(before: dict, after: dict) -> dict:
+    """Counter increases between two kv_counters_safe readings (None where unreadable)."""
+    return {k: (after[k] or 0) - (before.get(k) or 0) if after.get(k) is not None else None for k in after}
 
 
 def kv_counters_safe(base_url: str) -> dict:
@@ -160,14 +184,20 @@ def compare(arms: dict[str, dict]) -> dict[str, dict]:
 
 
 def print_table(arms: dict[str, dict], pairs: dict[str, dict]) -> None:
-    print(f"\n{'arm':<15} {'GPUs':>4} {'start s':>8} {'ok':>5} {'pulls':>6} {'pull ms mean':>13} {'MiB/pull':>9}")
+    """Per arm: requests served, then the cold pulls (the compared workload, pairs being set up)
+    and the warm ones (sequential, on set-up pairs): count, mean ms, median ms, MiB per pull."""
+    print(f"\n{'arm':<15} {'GPUs':>4} {'start s':>8} {'ok':>5} {'cold pulls: n':>14} {'mean ms':>8} "
+          f"{'warm pulls: n':>14} {'mean ms':>8} {'p50 ms':>7} {'MiB/pull':>9}")  # fmt: skip
     for name, arm in arms.items():
         ok = sum("text" in r for r in arm["requests"])
-        pulls = arm["pulls_logged"]
-        mean_ms = sum(p[2] for p in pulls) / len(pulls) if pulls else float("nan")
-        mib = sum(p[1] for p in pulls) / len(pulls) if pulls else float("nan")
+        cold, warm = arm["pulls_logged"], arm.get("warm_pulls_logged", [])
+        nan = float("nan")
+        cold_ms = statistics.fmean(p[2] for p in cold) if cold else nan
+        warm_ms = statistics.fmean(p[2] for p in warm) if warm else nan
+        warm_p50 = statistics.median(p[2] for p in warm) if warm else nan
+        mib = statistics.fmean(p[1] for p in warm or cold) if warm or cold else nan
         print(f"{name:<15} {arm['gpus']:>4} {str(arm['start_s']):>8} {ok:>2}/{len(arm['requests']):<2} "
-              f"{len(pulls):>6} {mean_ms:>13.2f} {mib:>9.2f}")  # fmt: skip
+              f"{len(cold):>14} {cold_ms:>8.2f} {len(warm):>14} {warm_ms:>8.2f} {warm_p50:>7.2f} {mib:>9.2f}")  # fmt: skip
     print()
     for pair, result in pairs.items():
         arm = pair.split(" vs ")
@@ -188,22 +218,24 @@ def main() -> int:
     names = [*args.arms, *(["colocated-tp1"] if args.with_tp1 and "colocated-tp1" not in args.arms else [])]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     workload = prompts(args.seed)
+    warm = prompts(args.seed + 1)[:WARM_REQUESTS]
     arms: dict[str, dict] = {}
     for name in names:
         print(f"arm {name}: starting", flush=True)
         try:
-            arms[name] = run_arm(name, args.model, args.engine, args.out.parent, workload)
+            arms[name] = run_arm(name, args.model, args.engine, args.out.parent, workload, warm)
         except Exception as exc:  # noqa: BLE001 - record and go on with the next arm
             print(f"arm {name} failed: {exc}", flush=True)
             arms[name] = {"gpus": ARMS[name][0], "start_s": None, "error": str(exc)[-4000:], "requests": [{}] * NUM_REQUESTS,
-                          "pulls_logged": []}  # fmt: skip
+                          "pulls_logged": [], "warm_pulls_logged": []}  # fmt: skip
         print(f"arm {name}: done", flush=True)
     pairs = compare(arms)
     record = {
         "engine": args.engine,
         "model": args.model,
         "workload": {"requests": NUM_REQUESTS, "prompt_tokens": [len(p) for p in workload],
-                     "output_tokens": OUTPUT_TOKENS, "seed": args.seed},  # fmt: skip
+                     "output_tokens": OUTPUT_TOKENS, "seed": args.seed,
+                     "warm_prompt_tokens": [len(p) for p in warm]},  # fmt: skip
         "arms": arms,
         "comparisons": pairs,
         "references": REFERENCE,

@@ -17,6 +17,11 @@
 #   h   the autoscaler ramp with a warm-up phase and longer phases (RAMP_PHASES overrides them)
 #   i   colocated x4 at 16-48 req/s, then 3P1D at 16-40 (with g and h: issue 7's four ratios
 #       and the ramp on one host in three calls)
+#   j   issue 9's two pdserve arms re-measured with the fixed API (3022d06), one per GPU pair:
+#       1P1D over NCCL at 8-22 req/s on GPUs 0,1 beside colocated x2 at 8-24 on GPUs 2,3
+#   k   mixed TP with warm pulls (p1-d2, p2-d1 on GPUs 0-2) beside the fixed engine profile
+#       on GPU 3; then the KV transfer under torch's profiler (both ends' kernel timelines) on
+#       GPUs 0,1 beside NCCL's copy-engine P2P option (NCCL_P2P_USE_CUDA_MEMCPY) on GPUs 2,3
 # Steps for a two-GPU host (issue 9's missing parts, when no 4-GPU kind is lent):
 #   2a  1P1D over NCCL past its knee, 12-22 req/s, with step traces; then the transfer sweep
 #       (ring settings, torch's NCCL flight recorder off) with both ends' pull phases
@@ -33,7 +38,7 @@
 # Each stream's console goes to $OUT/STEP-STREAM.log; everything is packed into $OUT/STEP.tar.
 # Rates are total req/s; an arm stops after the first rate where no TPOT target reaches 50%.
 set -uo pipefail
-model=${1:?usage: x4.sh MODEL_DIR STEP}; step=${2:?step a to i or 2a to 2e}
+model=${1:?usage: x4.sh MODEL_DIR STEP}; step=${2:?step a to k or 2a to 2e}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH=/tmp/site2:/tmp/site:$PWD
@@ -113,6 +118,23 @@ case $step in
     stream x bash -c "$(declare -f proof); here=$here model=$model
       PROOF_BUDGET_S=290 proof arm:colocated-4:16,24,32,40,48
       PROOF_BUDGET_S=230 proof arm:3P1D:16,24,32,40" ;;
+  j)
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      CUDA_VISIBLE_DEVICES=0,1 PROOF_BUDGET_S=530 proof arm:disagg:8,10,12,14,16,18,20,22"
+    stream y bash -c "$(declare -f proof); here=$here model=$model
+      CUDA_VISIBLE_DEVICES=2,3 PROOF_BUDGET_S=530 proof arm:colocated:8,10,12,14,16,18,20,22,24" ;;
+  k)
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      CUDA_VISIBLE_DEVICES=0,1,2 TP_ARMS='p1-d2 p2-d1' proof tp"
+    stream y bash -c "$(declare -f proof); here=$here model=$model; PROFILE_GPU=3 proof profile"
+    wait
+    python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
+    stream t env CUDA_VISIBLE_DEVICES=0,1 python3 benchmarks/transfer_bench.py --device cuda \
+      --sizes-mib 256,1024 --repeats 10 --transports nccl --torch-profile "$out/transfer-profile" \
+      --out "$out/transfer.json"
+    stream u env CUDA_VISIBLE_DEVICES=2,3 python3 benchmarks/transfer_sweep.py --sizes-mib 256,1024 \
+      --repeats 10 --configs 64:4 --env-configs 64:4 --nccl-env '' --nccl-env 'NCCL_P2P_USE_CUDA_MEMCPY=1' --variant-timeout-s 150 \
+      --nccl-log-dir "$out/nccl-logs" --out "$out/sweep-ce.json" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
 wait
