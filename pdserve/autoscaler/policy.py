@@ -81,7 +81,9 @@ class PoolSignals:
     samples: int = 0  # requests behind the percentiles
     ttft_s: float | None = None  # observed at the SLO percentile over the window
     tpot_s: float | None = None
-    prefill_utilization: float = 0.0  # arriving prompt tokens/s over the pool's prefill capacity
+    # The larger of arriving prompt tokens/s over the pool's modelled prefill capacity and the
+    # measured share of time its engines had a prompt in prefill.
+    prefill_utilization: float = 0.0
     decode_utilization: float = 0.0  # running batch over the batch that meets the TPOT target
     kv_usage: float = 0.0  # mean over the pool's engines, 0..1
 

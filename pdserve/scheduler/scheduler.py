@@ -17,6 +17,7 @@ Request accounting, per leg:
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,34 @@ from pdserve.scheduler.routing import (
 from pdserve.scheduler.slo import SloTracker
 
 PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
+
+
+@dataclass(slots=True)
+class BusyLog:
+    """When one engine had a prompt in prefill: the spans that ended within the last window
+    and the open one. Its busy fraction is that engine's measured prefill utilization."""
+
+    since: float | None = None  # start of the open span (a prompt is in prefill now)
+    spans: deque[tuple[float, float]] = field(default_factory=deque)
+
+    def start(self, now: float) -> None:
+        if self.since is None:
+            self.since = now
+
+    def stop(self, now: float, keep_s: float) -> None:
+        if self.since is not None:
+            self.spans.append((self.since, now))
+            self.since = None
+        while self.spans and self.spans[0][1] < now - keep_s:
+            self.spans.popleft()
+
+    def fraction(self, now: float, window_s: float) -> float:
+        """Share of the last `window_s` seconds with a prompt in prefill (0..1)."""
+        lo = now - window_s
+        busy = sum(min(end, now) - max(start, lo) for start, end in self.spans if end > lo)
+        if self.since is not None:
+            busy += now - max(self.since, lo)
+        return min(max(busy, 0.0) / window_s, 1.0)
 
 
 @dataclass(slots=True)
@@ -47,6 +76,7 @@ class EngineState:
     healthy: bool = True
     ready: bool = True  # False while starting
     draining: bool = False
+    busy: BusyLog = field(default_factory=BusyLog)  # prefill in flight (prefill_started..first_token)
     # `load()` and the fields it was built from: the router reads every engine on every
     # request, while a request changes the books of one or two (the fluid simulator routes ~30
     # cohorts a step over the same few engines). Callers change fields directly (the backend,
@@ -211,6 +241,7 @@ class GlobalScheduler:
         ticket = PrefillTicket(replica_id, pool, tokens, state.queued_prefill_tokens + tokens, now)
         state.queued_prefill_tokens += tokens
         state.num_prefilling += 1
+        state.busy.start(now)
         self.tracker.record_arrival(pool, now, tokens)
         self._open[id(ticket)] = ticket
         return ticket
@@ -226,6 +257,8 @@ class GlobalScheduler:
         if state is not None:
             state.queued_prefill_tokens = max(0, state.queued_prefill_tokens - ticket.tokens)
             state.num_prefilling = max(0, state.num_prefilling - 1)
+            if state.num_prefilling == 0:
+                state.busy.stop(now, self.tracker.window_s)
         if observe:
             pool.fit.observe_prefill(ticket.work_ahead, now - ticket.started)
 
@@ -314,7 +347,17 @@ class GlobalScheduler:
         model = self.model(pool)
         prefill_util = decode_util = kv = 0.0
         if n:
-            prefill_util = summary.prompt_tokens_per_s / (n * model.prefill_tokens_per_s)
+            # Two views of prefill load; the larger counts. The modelled one (arriving tokens
+            # over the fitted rate) sees overload beyond 1; the measured one (share of the
+            # window each engine had a prompt in prefill) cannot be fooled by the fit. The fit
+            # relates TTFT to the tokens queued at dispatch, counting prompts already part-way
+            # through a step as whole: under load its rate comes out above what the engine
+            # sustains (4 x H100, 2026-11-27: fitted ~73k tok/s, sustained ~45k), so two
+            # prefill engines at 26 req/s read 0.37 and the rebalance took one of them away.
+            modelled = summary.prompt_tokens_per_s / (n * model.prefill_tokens_per_s)
+            window = self.tracker.window_s
+            measured = sum(e.busy.fraction(now, window) for e in engines) / n
+            prefill_util = max(modelled, measured)
             kv = sum(e.kv_usage for e in engines) / n
             if slo is not None:
                 max_batch = model.max_batch_for_tpot(slo.tpot_s)

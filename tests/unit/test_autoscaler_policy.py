@@ -225,14 +225,15 @@ def test_without_a_budget_both_pools_scale():
     assert {d.direction for d in scaler.evaluate(sched, now=25.0)} == {"up"}
 
 
-def three_prefill_one_decode(prompt_tokens_per_s: float, ttft_s: float) -> GlobalScheduler:
-    """3P1D on a 4-GPU budget: prompt load on prefill, a measured TPOT breach on decode."""
+def three_prefill_one_decode(prompt_tokens_per_s: float, ttft_s: float, prefill_s: float = 0.1) -> GlobalScheduler:
+    """3P1D on a 4-GPU budget: prompt load on prefill (each prompt in prefill for `prefill_s`,
+    a prompt per engine every 3 s), a measured TPOT breach on decode."""
     sched = scheduler()
     for i in (1, 2):
         sched.add_engine("prefill", f"prefill-{i}", 16, 10_000)
     for t in range(30):
         ticket = sched.prefill_started("prefill", f"prefill-{t % 3}", int(prompt_tokens_per_s), now=float(t))
-        sched.first_token(ticket, now=t + 0.1, observe=False)
+        sched.first_token(ticket, now=t + prefill_s, observe=False)
         sched.request_finished("prefill", "decode", now=float(t), ttft_s=ttft_s, tpot_s=0.2)
     return sched
 
@@ -256,12 +257,16 @@ def test_a_pool_breaching_at_the_budget_takes_a_gpu_from_a_pool_that_can_spare_o
     assert after["prefill"].direction == "none"
 
 
-@pytest.mark.parametrize("prompt_tokens_per_s, ttft_s", [
-    (2000, 0.1),  # ~0.65 each now, ~1.0 with two engines: none to spare
-    (1200, 0.9),  # load to spare, but prefill breaches its own TTFT target
+@pytest.mark.parametrize("prompt_tokens_per_s, ttft_s, prefill_s", [
+    (2000, 0.1, 0.1),  # ~0.65 each now, ~1.0 with two engines: none to spare
+    (1200, 0.9, 0.1),  # load to spare, but prefill breaches its own TTFT target
+    # The model says ~0.4 each (~0.6 with two) but each engine had a prompt in prefill 60% of
+    # the time: ~0.9 with two. 4 x H100, 2026-11-27: a fitted rate above what the engines
+    # sustained read two busy prefill engines as 0.37, and the rebalance drained one of them.
+    (1200, 0.1, 1.8),
 ])
-def test_no_gpu_moves_from_a_pool_that_cannot_spare_it(prompt_tokens_per_s, ttft_s):
-    sched = three_prefill_one_decode(prompt_tokens_per_s, ttft_s)
+def test_no_gpu_moves_from_a_pool_that_cannot_spare_it(prompt_tokens_per_s, ttft_s, prefill_s):
+    sched = three_prefill_one_decode(prompt_tokens_per_s, ttft_s, prefill_s)
     scaler = Autoscaler({"prefill": PoolBounds(1, 3), "decode": PoolBounds(1, 3)}, TTFT, TPOT, POLICY,
                         max_gpus=4)
     for now in (30.0, 30.5, 31.0):

@@ -9,7 +9,7 @@ import pytest
 from pdserve.scheduler.perf_model import LineFit, OnlineFit, PerfModel, fit_line, fit_line_robust
 from pdserve.scheduler.prefix import PrefixIndex, block_hashes
 from pdserve.scheduler.routing import Placement, SloTargets
-from pdserve.scheduler.scheduler import GlobalScheduler
+from pdserve.scheduler.scheduler import BusyLog, GlobalScheduler
 from pdserve.scheduler.slo import SloTracker, percentile_of
 
 pytestmark = pytest.mark.unit
@@ -250,3 +250,31 @@ def test_the_calibration_decode_line_is_not_dragged_by_one_noisy_batch_size():
                                         "tpot_ms_by_batch": {str(b): ms for b, ms in noisy}})
     assert model.decode_step_s == pytest.approx(intercept / 1000)
     assert fit_line_robust([(1, 2.0), (3, 4.0)]) == pytest.approx(fit_line([(1, 2.0), (3, 4.0)]))
+
+
+def test_busy_log_measures_the_share_of_the_window_with_a_prompt_in_prefill():
+    log = BusyLog()
+    log.start(0.0)
+    log.start(1.0)  # already busy: the span still starts at 0
+    log.stop(2.0, keep_s=10.0)
+    log.start(5.0)
+    assert log.fraction(6.0, window_s=10.0) == pytest.approx(0.3)  # 2 s closed + 1 s open
+    assert log.fraction(6.0, window_s=4.0) == pytest.approx(0.25)  # only [2, 6]: the open second
+    log.stop(30.0, keep_s=10.0)  # the [0, 2] span fell out of the window and is dropped
+    assert list(log.spans) == [(5.0, 30.0)]
+    assert log.fraction(30.0, window_s=10.0) == 1.0
+
+
+def test_prefill_load_is_at_least_the_measured_busy_share_when_the_model_overstates_capacity():
+    sched = GlobalScheduler(["prefill", "decode"], PerfModel(prefill_tokens_per_s=1e6, decode_step_s=0.01),
+                            SloTargets(0.5, 0.02), window_s=10.0, prefix_aware=False)
+    for i in range(2):
+        sched.add_engine("prefill", f"p{i}", 16, 1000)
+    for k in range(100):  # each engine: a 2048-token prompt every 0.2 s, 0.12 s in prefill
+        t = k * 0.1
+        ticket = sched.prefill_started("prefill", f"p{k % 2}", 2048, now=t)
+        sched.first_token(ticket, now=t + 0.12, observe=False)
+    signals = sched.signals("prefill", now=10.0)
+    modelled = 10 * 2048 / (2 * 1e6)
+    assert modelled < 0.05
+    assert signals.prefill_utilization == pytest.approx(0.6, abs=0.02)
