@@ -27,7 +27,6 @@ import argparse
 import json
 import random
 import re
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -149,6 +148,14 @@ def _delta(before: dict, after: dict) -> dict:
     return {k: (after[k] or 0) - (before.get(k) or 0) if after.get(k) is not None else None for k in after}
 
 
+def _pull_stats(metrics: dict | None) -> tuple[int, float, float]:
+    """(pulls, mean ms, mean MiB) from a kv_counters_safe delta; NaNs where nothing was pulled."""
+    pulls = int((metrics or {}).get("pulls") or 0)
+    if not pulls:
+        return 0, float("nan"), float("nan")
+    return pulls, metrics["seconds"] / pulls * 1e3, (metrics.get("bytes") or 0) / pulls / 2**20
+
+
 def kv_counters_safe(base_url: str) -> dict:
     """The KV transfer counters from /metrics (each summed over its labels), {} if unreachable."""
     try:
@@ -184,20 +191,16 @@ def compare(arms: dict[str, dict]) -> dict[str, dict]:
 
 
 def print_table(arms: dict[str, dict], pairs: dict[str, dict]) -> None:
-    """Per arm: requests served, then the cold pulls (the compared workload, pairs being set up)
-    and the warm ones (sequential, on set-up pairs): count, mean ms, median ms, MiB per pull."""
-    print(f"\n{'arm':<15} {'GPUs':>4} {'start s':>8} {'ok':>5} {'cold pulls: n':>14} {'mean ms':>8} "
-          f"{'warm pulls: n':>14} {'mean ms':>8} {'p50 ms':>7} {'MiB/pull':>9}")  # fmt: skip
+    """Per arm: requests served, then the KV pulls from /metrics of the cold phase (the compared
+    workload, pairs being set up) and the warm one (sequential, on set-up pairs): pulls (one per
+    decode rank and request), mean ms and MiB per pull."""
+    print(f"\n{'arm':<15} {'GPUs':>4} {'start s':>8} {'ok':>5} {'cold pulls':>10} {'mean ms':>8} "
+          f"{'warm pulls':>10} {'mean ms':>8} {'MiB/pull':>9}")  # fmt: skip
     for name, arm in arms.items():
         ok = sum("text" in r for r in arm["requests"])
-        cold, warm = arm["pulls_logged"], arm.get("warm_pulls_logged", [])
-        nan = float("nan")
-        cold_ms = statistics.fmean(p[2] for p in cold) if cold else nan
-        warm_ms = statistics.fmean(p[2] for p in warm) if warm else nan
-        warm_p50 = statistics.median(p[2] for p in warm) if warm else nan
-        mib = statistics.fmean(p[1] for p in warm or cold) if warm or cold else nan
+        cold, warm = _pull_stats(arm.get("kv_metrics")), _pull_stats(arm.get("warm_kv_metrics"))
         print(f"{name:<15} {arm['gpus']:>4} {str(arm['start_s']):>8} {ok:>2}/{len(arm['requests']):<2} "
-              f"{len(cold):>14} {cold_ms:>8.2f} {len(warm):>14} {warm_ms:>8.2f} {warm_p50:>7.2f} {mib:>9.2f}")  # fmt: skip
+              f"{cold[0]:>10} {cold[1]:>8.2f} {warm[0]:>10} {warm[1]:>8.2f} {warm[2]:>9.1f}")  # fmt: skip
     print()
     for pair, result in pairs.items():
         arm = pair.split(" vs ")

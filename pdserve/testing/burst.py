@@ -116,7 +116,10 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tok
                     first = first or last
                     outcome.output_tokens += 1
     except httpx.HTTPError as e:
-        outcome.status, outcome.error = -1, repr(e)[:200]
+        # Say how far the request got: no response at all, or a stream cut after its headers
+        # (and how many tokens) tell a connection race from a service that dropped a request.
+        got = f"HTTP {outcome.status}, {outcome.output_tokens} tokens" if outcome.status else "no response"
+        outcome.status, outcome.error = -1, f"{e!r} ({got})"[:200]
         return
     if usage_tokens is not None:  # chunks can carry several tokens
         outcome.output_tokens = usage_tokens
