@@ -17,7 +17,7 @@ arm is compared with the colocated arm of its decode TP (p1-d2 with colocated-tp
 colocated-tp1) and with every other arm. Then it sends WARM_REQUESTS more prompts one at a
 time: their pulls run on pairs already set up, so they time the transfer itself (the first
 pulls of an arm include NCCL pair set-up, ~200 ms). Reads the KV pulls of both phases from
-/metrics (pdserve_kv_transfer_seconds) and the decode engine's "pulled N blocks" log lines. Writes JSON
+/metrics (pdserve_kv_transfer_seconds), and keeps any "pulled N blocks" lines the decode engine logged. Writes JSON
 to --out and prints a table. About 60-90 s to start each arm; under 6 minutes for all.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from proof import metric_sum, pdserve_args  # noqa: E402
+from proof import delta, metric_sum, pdserve_args, pulls_from_log  # noqa: E402
 
 from pdserve.testing.server import free_port, start_process  # noqa: E402
 
@@ -47,11 +46,8 @@ OUTPUT_TOKENS = 64
 # Token ids drawn from here exist in any Llama-3 (128k) or small test vocabulary's middle.
 TOKEN_RANGE = (1000, 30000)
 CONCURRENCY = 4
-# Warm requests, sent one at a time after the compared workload; and how long to let the
-# engines' log lines reach the log file before counting them.
+# Warm requests, sent one at a time after the compared workload.
 WARM_REQUESTS = 8
-LOG_SETTLE_S = 2.0
-_PULL_LOG = re.compile(r"pulled (\d+) blocks \(([\d.]+) MiB\) in ([\d.]+) ms")
 
 # name -> (GPUs, pdserve serve flags)
 ARMS: dict[str, tuple[int, list[str]]] = {
@@ -113,24 +109,19 @@ def run_arm(
         after = kv_counters_safe(server.base_url)
         # Warm pulls: the pairs are set up now; one request at a time, so a pull's time is the
         # transfer and its hand-offs, not set-up or a queue behind other pulls.
-        time.sleep(LOG_SETTLE_S)
-        cold_lines = len(_PULL_LOG.findall(log.read_text(errors="replace")))
         warm_results = [complete(server.base_url, p) for p in warm_workload]
         warm_after = kv_counters_safe(server.base_url)
-        time.sleep(LOG_SETTLE_S)
     finally:
         server.stop(timeout_s=90)
-    pulls = [[float(x) for x in m.groups()] for m in _PULL_LOG.finditer(log.read_text(errors="replace"))]
     return {
         "gpus": gpus,
         "command": " ".join(command),
         "start_s": round(start_s, 1),
         "requests": results,
-        "kv_metrics": _delta(before, after),
-        "pulls_logged": pulls[:cold_lines],  # [blocks, MiB, ms] per decode-rank pull log line
+        "kv_metrics": delta(after, before),
         "warm_requests": warm_results,
-        "warm_kv_metrics": _delta(after, warm_after),
-        "warm_pulls_logged": pulls[cold_lines:],  # the same, for the warm, sequential requests
+        "warm_kv_metrics": delta(warm_after, after),
+        "pulls_logged": pulls_from_log(log),  # [blocks, MiB, ms] per decode-rank pull log line
         "log": str(log),
     }
 
@@ -141,11 +132,6 @@ KV_METRICS = {
     "bytes": "pdserve_kv_transfer_bytes_total",
     "failures": "pdserve_kv_transfer_failures_total",
 }
-
-
-def _delta(before: dict, after: dict) -> dict:
-    """Counter increases between two kv_counters_safe readings (None where unreadable)."""
-    return {k: (after[k] or 0) - (before.get(k) or 0) if after.get(k) is not None else None for k in after}
 
 
 def _pull_stats(metrics: dict | None) -> tuple[int, float, float]:
@@ -230,7 +216,7 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - record and go on with the next arm
             print(f"arm {name} failed: {exc}", flush=True)
             arms[name] = {"gpus": ARMS[name][0], "start_s": None, "error": str(exc)[-4000:], "requests": [{}] * NUM_REQUESTS,
-                          "pulls_logged": [], "warm_pulls_logged": []}  # fmt: skip
+                          "pulls_logged": []}  # fmt: skip
         print(f"arm {name}: done", flush=True)
     pairs = compare(arms)
     record = {
