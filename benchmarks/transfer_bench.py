@@ -356,6 +356,7 @@ class Result:
     phases_ms: dict[str, float] | None = None  # NCCL pulls: median ms from start_pull to each phase
     gpu_gbps: float | None = None  # NCCL pulls on CUDA: bytes / GPU time (CUDA events)
     verified: bool | None = None  # the last pull's blocks arrived exactly (transports only)
+    pair_api: str | None = None  # NCCL pulls: "direct" or "torch" sends and receives (nccl_pair)
 
     @property
     def gbps(self) -> float:
@@ -399,7 +400,8 @@ def run(args: argparse.Namespace) -> tuple[Shape, list[Result]]:
                     seconds = bench.time_pulls(sink, blocks_per_pull, bench.address, remote_pin)
                     phases, gpu_gbps = trace_summary(sink, args.repeats, bench.source_traces(args.repeats))
                     verified = bench.verify_last_pull()
-                    results.append(Result(name, nbytes, seconds, "", phases, gpu_gbps, verified))
+                    api = ",".join(sorted({p.api for p in getattr(sink, "_pairs", {}).values()})) or None
+                    results.append(Result(name, nbytes, seconds, "", phases, gpu_gbps, verified, api))
                     if args.torch_profile and name == "nccl" and shape.sink_device.startswith("cuda"):
                         args.torch_profile.mkdir(parents=True, exist_ok=True)
                         stem = args.torch_profile / f"nccl-{nbytes >> 20}MiB"
@@ -423,7 +425,7 @@ def run(args: argparse.Namespace) -> tuple[Shape, list[Result]]:
 
 # The sink's phases (PullTrace) and the source's (SourceTrace), in the order a pull passes them.
 SINK_PHASES = ("thread_start", "header_sent", "queued", "data_done", "reply_read")
-SOURCE_PHASES = ("header_read", "replied", "queued", "done")
+SOURCE_PHASES = ("header_read", "queued", "replied", "done")
 
 
 def trace_summary(
@@ -455,6 +457,8 @@ def print_rows(rows: list[Result], shape: Shape) -> None:
         note = f"baseline for {row.baseline_of}" if row.baseline_of else ""
         if row.verified is not None:
             note = ("bytes verified " if row.verified else "BYTES DIFFER ") + note
+        if row.pair_api:
+            note += f"pair api {row.pair_api}; "
         if row.phases_ms:
             note += "phases ms: " + " ".join(f"{k}={v:.3f}" for k, v in row.phases_ms.items())
             note += f"  gpu {row.gpu_gbps:.1f} GB/s" if row.gpu_gbps else ""

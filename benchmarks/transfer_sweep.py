@@ -86,6 +86,7 @@ class Row:
     seconds: list[float] = field(default_factory=list)
     peer_seconds: list[float] = field(default_factory=list)
     error: str | None = None
+    pair_api: str | None = None  # "direct" or "torch": how the pair's sends and receives ran
 
 
 def sweep(args: argparse.Namespace, env_label: str) -> list[Row]:
@@ -147,6 +148,7 @@ def _measure(args, bench, shape, sink, address, pin, row: Row) -> None:
     row.peer_seconds = bench.peer_copy_baseline(row.size_bytes) if on_gpus else []
     row.seconds = bench.time_pulls(sink, blocks_per_pull, address, pin, PULL_WAIT_S)
     row.verified = bench.verify_last_pull()
+    row.pair_api = ",".join(sorted({pair.api for pair in sink._pairs.values()}))
     row.phases_ms, row.gpu_gbps = tb.trace_summary(sink, args.repeats, bench.source_traces(args.repeats))
     row.ms = statistics.median(row.seconds) * 1e3
     row.gbps = row.size_bytes / row.ms / 1e6
@@ -172,7 +174,7 @@ def _print_row(row: Row) -> None:
     check = "verified" if row.verified else "BYTES DIFFER"
     print(
         f"{head} {row.ms:>7.3f} {row.gbps:>7.1f} {peer} {gpu}  "
-        f"{check} ({row.copy_path})",
+        f"{check} ({row.copy_path}, {row.pair_api})",
         flush=True,
     )
 

@@ -22,6 +22,9 @@
 #   k   mixed TP with warm pulls (p1-d2, p2-d1 on GPUs 0-2) beside the fixed engine profile
 #       on GPU 3; then the KV transfer under torch's profiler (both ends' kernel timelines) on
 #       GPUs 0,1 beside NCCL's copy-engine P2P option (NCCL_P2P_USE_CUDA_MEMCPY) on GPUs 2,3
+#   l   issue 9's transport with direct NCCL calls (nccl_direct) against torch's ProcessGroupNCCL,
+#       each in fresh processes on GPUs 0,1, three ring settings, beside the peer copy; then the
+#       bench's per-phase pull times (direct) under torch's profiler
 # Steps for a two-GPU host (issue 9's missing parts, when no 4-GPU kind is lent):
 #   2a  1P1D over NCCL past its knee, 12-22 req/s, with step traces; then the transfer sweep
 #       (ring settings, torch's NCCL flight recorder off) with both ends' pull phases
@@ -40,7 +43,7 @@
 # Each stream's console goes to $OUT/STEP-STREAM.log; everything is packed into $OUT/STEP.tar.
 # Rates are total req/s; an arm stops after the first rate where no TPOT target reaches 50%.
 set -uo pipefail
-model=${1:?usage: x4.sh MODEL_DIR STEP}; step=${2:?step a to k or 2a to 2e}
+model=${1:?usage: x4.sh MODEL_DIR STEP}; step=${2:?step a to l or 2a to 2e}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH=/tmp/site2:/tmp/site:$PWD
@@ -137,6 +140,13 @@ case $step in
     stream u env CUDA_VISIBLE_DEVICES=2,3 python3 benchmarks/transfer_sweep.py --sizes-mib 256,1024 \
       --repeats 10 --configs 64:4 --env-configs 64:4 --nccl-env '' --nccl-env 'NCCL_P2P_USE_CUDA_MEMCPY=1' --variant-timeout-s 150 \
       --nccl-log-dir "$out/nccl-logs" --out "$out/sweep-ce.json" ;;
+  l)
+    stream t bash -c "export CUDA_VISIBLE_DEVICES=0,1
+      python3 benchmarks/transfer_sweep.py --sizes-mib 256,1024 --repeats 20 --configs 64:4,128:2,32:8 \
+        --env-configs 64:4,128:2,32:8 --nccl-env '' --nccl-env 'PDSERVE_NCCL_API=torch' \
+        --variant-timeout-s 200 --out $out/sweep-api.json
+      python3 benchmarks/transfer_bench.py --device cuda --sizes-mib 256,1024 --repeats 20 \
+        --transports nccl --torch-profile $out/transfer-profile --out $out/transfer.json" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
 wait

@@ -10,7 +10,7 @@ The gRPC transport handles handshake and session as for gRPC pulls. Then, once p
 
 Per pull, the sink sends one header frame (request, source blocks, release) over the control
 connection and at once posts its receives; the source's pair thread wakes on the frame, checks
-the pin, answers with one reply frame and sends. Both ends cut the pull into the same batches
+the pin, queues its sends, then answers with one reply frame (the sink reads it after the data). Both ends cut the pull into the same batches
 (blocks.plan_pieces/pack_batches), so no per-batch metadata crosses the wire. A refused pull
 (not pinned, lease expired) still sends the planned bytes, stale, so both ends stay in step;
 the sink reads the refusal after the data and fails the pull (the connector recomputes or
@@ -29,6 +29,9 @@ the pending NCCL operations and fails the pull.
 
 Pulls on one pair run one at a time in the same order on both ends. A failed send or receive
 breaks the pair on that end; the next pull sets up a fresh pair.
+
+Sends and receives go through direct NCCL calls (nccl_direct) when both ends can make them,
+else through a torch ProcessGroupNCCL (nccl_pair: `pair_api`); gloo on CPU.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ from pdserve.kv.transport.base import BlockRegion, KVLayoutSpec, KVTransfer, KVT
 from pdserve.kv.transport.grpc import HANDSHAKE_TIMEOUT_S, GrpcSink, GrpcSource, SourceSession
 from pdserve.kv.transport.nccl_pair import (
     DEFAULT_PAIR_TIMEOUT_S, DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, MAX_NCCL_CHANNELS,
-    MAX_STAGING_BUFFERS, Pair, Watchdog, backend_for, decode_settings, local_ip_towards, on_stream,
+    MAX_STAGING_BUFFERS, Pair, Watchdog, backend_for, decode_settings, local_ip_towards, offered_backend,
+    on_stream, pair_api, resolve_api,
 )
 
 logger = logging.getLogger(__name__)
@@ -89,8 +93,9 @@ class NcclSource(GrpcSource):
 
     Takes GrpcSource's arguments plus `staging_bytes` (per buffer: the batch size of one
     send), `staging_buffers` (ring depth), `nccl_min_channels` (0: NCCL's choice),
-    `pair_timeout_s` and `trace` (keep a SourceTrace per pull in `traces`, for benchmarks); the
-    sink of each pair adopts the first three. Each pair has its own
+    `pair_timeout_s`, `nccl_api` ("auto", "direct" or "torch": nccl_pair.resolve_api) and
+    `trace` (keep a SourceTrace per pull in `traces`, for benchmarks); the sink of each pair
+    adopts the first three and the API chosen for the pair. Each pair has its own
     thread: it joins the group, accepts the control connection, then serves the pair's pulls in
     order until the sink goes away or the source closes.
     """
@@ -104,6 +109,7 @@ class NcclSource(GrpcSource):
         staging_buffers: int = DEFAULT_STAGING_BUFFERS,
         nccl_min_channels: int = 0,
         pair_timeout_s: float = DEFAULT_PAIR_TIMEOUT_S,
+        nccl_api: str = "auto",
         trace: bool = False,
         **grpc_options,
     ):
@@ -113,6 +119,7 @@ class NcclSource(GrpcSource):
                 f"0..{MAX_NCCL_CHANNELS}, got {staging_buffers} and {nccl_min_channels}"
             )
         self.backend, self.device = backend_for(regions)
+        self.nccl_api = resolve_api(nccl_api, self.backend, nccl_min_channels)
         self._region_nbytes = [r.info().block_nbytes for r in regions]
         self.staging_bytes = max(staging_bytes, *self._region_nbytes)
         self.staging_buffers = staging_buffers
@@ -131,10 +138,7 @@ class NcclSource(GrpcSource):
     ) -> tuple[str, bytes]:
         """Server thread, once per pair: hosts the pair's store and control listener and starts
         the pair thread. Returns at once with the store's address and the pair settings."""
-        if backend != self.backend:
-            raise KVTransportError(
-                f"backend mismatch: source uses {self.backend}, sink asked for {backend!r}"
-            )
+        api = pair_api(backend, self.backend, self.nccl_api)
         timeout = datetime.timedelta(seconds=self.pair_timeout_s)
         store = dist.TCPStore(self.host, 0, 2, True, timeout, wait_for_workers=False)
         pair = Pair(
@@ -146,10 +150,12 @@ class NcclSource(GrpcSource):
             store,
             staging_buffers=self.staging_buffers,
             min_channels=self.nccl_min_channels,
+            api=api,
             regions=tuple(regions),
             runs=self._runs if regions is self.regions else gpu_copy.RunTable.build(regions),
         )
         listener = control.listen(self.host)
+        control_port = listener.getsockname()[1]  # before the pair thread may close it
         key = secrets.token_bytes(32)
         with self._pairs_lock:
             if pair_id in self._pairs or self._closing:
@@ -164,7 +170,8 @@ class NcclSource(GrpcSource):
             "staging_bytes": self.staging_bytes,
             "staging_buffers": self.staging_buffers,
             "nccl_min_channels": self.nccl_min_channels,
-            "control_port": listener.getsockname()[1],
+            "nccl_api": api,
+            "control_port": control_port,
             "control_key": key,
         }
         return f"{self.host}:{store.port}", msgpack.packb(settings, use_bin_type=True)
@@ -224,30 +231,35 @@ class NcclSource(GrpcSource):
     def _serve_pull(
         self, pair: Pair, conn: socket.socket, header: control.PullHeader, trace: SourceTrace | None = None
     ) -> None:
-        """Pair thread, once per pull: answers, then sends the blocks (stale bytes if refused)."""
+        """Pair thread, once per pull: queues the sends of the blocks (stale bytes if refused),
+        answers, then waits for the sends. The sink reads the answer after the data, so
+        answering first would only delay the first send."""
         try:
             self.open_read(header.request_id, header.block_ids)
         except (LookupError, ValueError) as exc:
-            control.send_frame(conn, control.reply_to_wire(str(exc)))
-            self._send(pair, header.block_ids, gather=False)
+            self._send(pair, header.block_ids, gather=False, reply=control.reply_to_wire(str(exc)))
             if trace is not None:
                 trace.refused, trace.done = True, time.monotonic()
             return
         sent = False
         try:
-            control.send_frame(conn, control.reply_to_wire(None))
-            if trace is not None:
-                trace.replied = time.monotonic()
-            self._send(pair, header.block_ids, gather=True, trace=trace)
+            self._send(pair, header.block_ids, gather=True, reply=control.reply_to_wire(None), trace=trace)
             sent = True
         finally:
             self.close_read(header.request_id, release=sent and header.release_after)
 
     def _send(
-        self, pair: Pair, block_ids: list[int], *, gather: bool, trace: SourceTrace | None = None
+        self,
+        pair: Pair,
+        block_ids: list[int],
+        *,
+        gather: bool,
+        reply: bytes,
+        trace: SourceTrace | None = None,
     ) -> None:
-        """Gathers and sends the pull's batches round the staging ring; returns once the last
-        send is done (so the blocks may be freed and staging reused)."""
+        """Gathers and sends the pull's batches round the staging ring, sends `reply` on the
+        control connection once all are queued, and returns once the last send is done (so the
+        blocks may be freed and staging reused)."""
         pair.deadline = time.monotonic() + pair.timeout_s
         ring = len(pair.staging)
         pending: list = [None] * ring
@@ -275,6 +287,12 @@ class NcclSource(GrpcSource):
                     work.wait()
         if trace is not None:
             trace.queued = time.monotonic()
+        conn = pair.control
+        if conn is None:
+            raise KVTransportError(f"KV pair {pair.pair_id}: control connection closed")
+        if trace is not None:
+            trace.replied = time.monotonic()  # stamped first: the sink may read it at once
+        control.send_frame(conn, reply)
         pair.finish_stream()
         pair.deadline = None
         if trace is not None:
@@ -288,8 +306,8 @@ class SourceTrace:
 
     request_id: str
     header_read: float  # the sink's header frame was read (the pair thread woke)
-    replied: float = 0.0  # the answer frame left
     queued: float = 0.0  # every gather and send is queued
+    replied: float = 0.0  # the answer frame was sent (after the sends were queued)
     done: float = 0.0  # the GPU finished the last send (host saw it); 0 while still sending
     refused: bool = False  # the blocks were not readable: stale bytes went out instead
 
@@ -311,16 +329,24 @@ class PullTrace:
 
 class NcclSink(GrpcSink):
     """A GrpcSink whose pulls move over per-pair groups; takes GrpcSink's arguments, plus
-    `trace` (keep a PullTrace per pull in `traces`, for benchmarks).
+    `nccl_api` (what this end can offer: nccl_pair.resolve_api; the source picks) and `trace`
+    (keep a PullTrace per pull in `traces`, for benchmarks).
 
     The first pull from a source sets the pair up (one SetupCommunicator round trip plus the
     rendezvous); later pulls cost one control frame each way plus the transfer.
     """
 
     def __init__(
-        self, layout: KVLayoutSpec, regions: Sequence[BlockRegion], *, trace: bool = False, **grpc_options
+        self,
+        layout: KVLayoutSpec,
+        regions: Sequence[BlockRegion],
+        *,
+        nccl_api: str = "auto",
+        trace: bool = False,
+        **grpc_options,
     ):
         self.backend, self.device = backend_for(regions)
+        self.nccl_api = resolve_api(nccl_api, self.backend)
         self._pairs: dict[str, Pair] = {}
         self._pair_locks: dict[str, threading.Lock] = {}
         self.traces: deque[PullTrace] | None = deque(maxlen=_TRACE_LEN) if trace else None
@@ -442,11 +468,14 @@ class NcclSink(GrpcSink):
 
     def _setup_pair(self, session: SourceSession) -> Pair:
         pair_id = f"{self.engine_id}-{secrets.token_hex(8)}"
-        request = pb.SetupCommunicatorRequest(pair_id=pair_id, backend=self.backend)
+        offer = offered_backend(self.backend, self.nccl_api)
+        request = pb.SetupCommunicatorRequest(pair_id=pair_id, backend=offer)
         response = session.stub.SetupCommunicator(
             request, timeout=HANDSHAKE_TIMEOUT_S, metadata=session.metadata
         )
         settings = decode_settings(response.params)
+        if settings["nccl_api"] == "direct" and self.nccl_api != "direct":
+            raise KVTransportError("the KV source chose a direct NCCL pair this sink did not offer")
         host, _, port = response.store_address.rpartition(":")
         timeout = datetime.timedelta(seconds=settings["timeout_s"])
         store = dist.TCPStore(host, int(port), 2, False, timeout)
@@ -459,6 +488,7 @@ class NcclSink(GrpcSink):
             store,
             staging_buffers=settings["staging_buffers"],
             min_channels=settings["nccl_min_channels"],
+            api=settings["nccl_api"],
             regions=session.regions,
             runs=self._runs if session.regions is self.regions else gpu_copy.RunTable.build(session.regions),
         )

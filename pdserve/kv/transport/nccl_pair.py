@@ -5,6 +5,13 @@ settings (timeout, staging size and ring depth, control connection) and sends th
 SetupCommunicator.params as msgpack; the sink checks them (`decode_settings`) before use. A
 pair's group is built directly, never through init_process_group (a worker may hold many
 pairs), and a `Watchdog` per endpoint aborts pairs whose pull outlived its deadline.
+
+An NCCL pair runs on one of two APIs: "direct" (nccl_direct: ncclSend/ncclRecv through ctypes, a
+few microseconds of host time per op) or "torch" (a ProcessGroupNCCL). The sink offers direct
+in SetupCommunicatorRequest.backend ("nccl+direct") when it can make direct calls; the source
+picks (`pair_api`) and names its choice in the settings ("nccl_api"); both ends then build the
+same kind of group. `resolve_api` turns an endpoint's `nccl_api` option ("auto", "direct",
+"torch"; PDSERVE_NCCL_API overrides "auto") into what it can actually use.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import socket
 import threading
 import time
@@ -22,7 +30,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from pdserve.kv.transport import gpu_copy
+from pdserve.kv.transport import gpu_copy, nccl_direct
 from pdserve.kv.transport.base import BlockRegion, KVTransportError
 
 logger = logging.getLogger(__name__)
@@ -56,7 +64,12 @@ SETTINGS_KEYS: dict[str, type | tuple[type, ...]] = {
 OPTIONAL_SETTINGS: dict[str, tuple[type, object]] = {
     "staging_buffers": (int, LEGACY_STAGING_BUFFERS),
     "nccl_min_channels": (int, 0),  # 0: NCCL's own choice
+    "nccl_api": (str, "torch"),  # "direct" or "torch" (module docstring)
 }
+NCCL_APIS = ("direct", "torch")
+# Overrides an endpoint's nccl_api="auto" (benchmarks compare the two APIs in fresh processes).
+NCCL_API_ENV = "PDSERVE_NCCL_API"
+DIRECT_OFFER = "+direct"
 # Staging ring depth and NCCL channels a source may ask for.
 MAX_STAGING_BUFFERS = 16
 MAX_NCCL_CHANNELS = 64
@@ -69,6 +82,44 @@ def backend_for(regions: Sequence[BlockRegion]) -> tuple[str, torch.device]:
         raise ValueError(f"all KV regions must live on one device, got {sorted(map(str, devices))}")
     device = devices.pop()
     return ("nccl" if device.type == "cuda" else "gloo"), device
+
+
+def resolve_api(option: str, backend: str, min_channels: int = 0) -> str:
+    """The pair API an endpoint uses: "torch" on gloo; for NCCL, `option` ("direct", "torch",
+    or "auto": PDSERVE_NCCL_API if set, else direct when the library loads and no NCCL channel
+    minimum is asked for, which only torch's group can set). Raises ValueError when "direct" is
+    asked for and cannot be had. Called once per endpoint."""
+    if option == "auto":
+        option = os.environ.get(NCCL_API_ENV) or "auto"
+    if option not in (*NCCL_APIS, "auto"):
+        raise ValueError(f"nccl_api must be auto, direct or torch, got {option!r}")
+    if backend != "nccl":
+        return "torch"
+    if option == "direct":
+        if min_channels:
+            raise ValueError("nccl_min_channels needs nccl_api='torch'")
+        if not nccl_direct.available():
+            raise ValueError("nccl_api='direct' but the NCCL library cannot be used here")
+        return "direct"
+    if option == "torch" or min_channels:
+        return "torch"
+    return "direct" if nccl_direct.available() else "torch"
+
+
+def offered_backend(backend: str, api: str) -> str:
+    """What a sink puts in SetupCommunicatorRequest.backend: its backend, plus "+direct" when
+    it can run a direct pair."""
+    return backend + DIRECT_OFFER if api == "direct" else backend
+
+
+def pair_api(offered: str, backend: str, api: str) -> str:
+    """The source's choice for a new pair: direct when both ends can, else torch. Raises
+    KVTransportError when the sink's backend differs from the source's or the offer is
+    malformed."""
+    base, plus, extra = offered.partition("+")
+    if base != backend or (plus and plus + extra != DIRECT_OFFER):
+        raise KVTransportError(f"backend mismatch: source uses {backend}, sink asked for {offered!r}")
+    return "direct" if plus and api == "direct" else "torch"
 
 
 def make_pair_group(
@@ -119,7 +170,8 @@ class Pair:
     store: dist.Store
     staging_buffers: int = DEFAULT_STAGING_BUFFERS
     min_channels: int = 0  # NCCL channels asked for (0: NCCL's choice)
-    group: dist.ProcessGroup | None = None
+    api: str = "torch"  # "direct" (nccl_direct.DirectGroup) or "torch" (a ProcessGroup)
+    group: dist.ProcessGroup | nccl_direct.DirectGroup | None = None
     control: socket.socket | None = None
     staging: tuple[torch.Tensor, ...] = ()
     stream: torch.cuda.Stream | None = None
@@ -136,14 +188,18 @@ class Pair:
 
     def join(self, rank: int, host: str) -> None:
         """Builds the group, staging and stream; pair thread (source) or pull thread (sink), once."""
-        self.group = make_pair_group(
-            dist.PrefixStore(self.pair_id, self.store),
-            rank,
-            self.backend,
-            host,
-            self.timeout_s,
-            self.min_channels,
-        )
+        store = dist.PrefixStore(self.pair_id, self.store)
+        if self.api == "direct":
+            if rank == 0:
+                store.set("nccl-unique-id", nccl_direct.unique_id())
+            uid = store.get("nccl-unique-id")  # rank 1 waits for it (the store's timeout)
+            self.group = nccl_direct.DirectGroup.connect(
+                uid, rank, self.device, self.timeout_s, warmup_bytes=self.staging_bytes
+            )
+        else:
+            self.group = make_pair_group(
+                store, rank, self.backend, host, self.timeout_s, self.min_channels
+            )
         # Allocated on the device's current stream; used only on the pair's own stream.
         self.staging = tuple(
             torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.device)
@@ -152,7 +208,7 @@ class Pair:
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
 
-    def live_group(self) -> dist.ProcessGroup:
+    def live_group(self) -> dist.ProcessGroup | nccl_direct.DirectGroup:
         """The group, or KVTransportError once the pair was aborted."""
         group = self.group
         if group is None:
@@ -228,6 +284,7 @@ def decode_settings(params: bytes) -> dict[str, float | int | bytes]:
         not 0 < settings["staging_bytes"] <= 1 << 32
         or not 2 <= settings["staging_buffers"] <= MAX_STAGING_BUFFERS
         or not 0 <= settings["nccl_min_channels"] <= MAX_NCCL_CHANNELS
+        or settings["nccl_api"] not in NCCL_APIS
         or not 0 < settings["timeout_s"] <= 3600
         or not 0 < settings["control_port"] < 65536
         or len(settings["control_key"]) != 32

@@ -8,7 +8,10 @@ from kv_helpers import LAYOUT, TOKEN, WAIT_S, assert_blocks_equal, kv_regions
 
 from pdserve.kv.transport.base import KVTransportError, TransferState
 from pdserve.kv.transport.nccl import NcclSink, NcclSource, plan
-from pdserve.kv.transport.nccl_pair import decode_settings
+from pdserve.kv.transport import nccl_direct
+from pdserve.kv.transport.nccl_pair import (
+    NCCL_API_ENV, decode_settings, offered_backend, pair_api, resolve_api,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -80,13 +83,15 @@ def settings(**changes):
     return msgpack.packb({**base, **changes}, use_bin_type=True)
 
 
-def test_pair_settings_of_an_older_source_mean_two_buffers():
+def test_pair_settings_of_an_older_source_mean_two_buffers_over_torch():
     decoded = decode_settings(settings())
     assert decoded["staging_buffers"] == 2 and decoded["nccl_min_channels"] == 0
+    assert decoded["nccl_api"] == "torch"
 
 
 @pytest.mark.parametrize("bad", [{"staging_buffers": 1}, {"staging_buffers": 99}, {"nccl_min_channels": -1},
-                                 {"staging_buffers": "4"}, {"nccl_min_channels": True}])  # fmt: skip
+                                 {"staging_buffers": "4"}, {"nccl_min_channels": True},
+                                 {"nccl_api": "nvshmem"}, {"nccl_api": 1}])  # fmt: skip
 def test_pair_settings_out_of_range_are_refused(bad):
     with pytest.raises(KVTransportError):
         decode_settings(settings(**bad))
@@ -107,12 +112,75 @@ def test_traced_ends_record_each_pull_in_phase_order_on_one_clock():
         assert [t.request_id for t in sink.traces] == [t.request_id for t in theirs_all] == ["first", "second"]
         for ours, theirs in zip(sink.traces, theirs_all):
             # The source reads the header after the sink's pull began (the sink stamps
-            # `header_sent` once its send returned, which may be after the source read it) and
-            # finishes sending before the sink reads the reply that follows the data.
+            # `header_sent` once its send returned, which may be after the source read it),
+            # queues its sends before it answers, and the sink reads that answer after the data.
             began = ours.started_at + ours.thread_start
-            assert began <= theirs.header_read <= theirs.replied <= theirs.queued <= theirs.done
+            assert began <= theirs.header_read <= theirs.queued <= theirs.replied <= theirs.done
             assert theirs.replied <= ours.started_at + ours.reply_read
             assert 0 < ours.thread_start <= ours.header_sent <= ours.queued <= ours.data_done <= ours.reply_read
     finally:
         sink.close()
         source.close()
+
+
+@pytest.mark.parametrize(
+    ("offer", "source_api", "chosen"),
+    [("nccl+direct", "direct", "direct"), ("nccl+direct", "torch", "torch"),
+     ("nccl", "direct", "torch"), ("gloo", "torch", "torch")],
+)  # fmt: skip
+def test_a_pair_runs_direct_only_when_the_sink_offers_it_and_the_source_uses_it(offer, source_api, chosen):
+    backend = offer.partition("+")[0]
+    assert pair_api(offer, backend, source_api) == chosen
+
+
+@pytest.mark.parametrize("offer", ["gloo", "nccl+gloo", "nccl+", "nccl+direct+x"])
+def test_a_setup_request_for_another_backend_or_a_malformed_offer_is_refused(offer):
+    with pytest.raises(KVTransportError, match="backend mismatch"):
+        pair_api(offer, "nccl", "direct")
+
+
+def test_a_sink_offers_direct_only_with_a_direct_api():
+    assert offered_backend("nccl", "direct") == "nccl+direct"
+    assert offered_backend("nccl", "torch") == offered_backend("nccl", "auto") == "nccl"
+    assert offered_backend("gloo", "torch") == "gloo"
+
+
+def test_gloo_endpoints_always_use_torch_and_bad_options_are_refused(monkeypatch):
+    monkeypatch.setenv(NCCL_API_ENV, "direct")  # ignored off NCCL
+    assert resolve_api("auto", "gloo") == resolve_api("direct", "gloo") == "torch"
+    with pytest.raises(ValueError, match="auto, direct or torch"):
+        resolve_api("fast", "nccl")
+
+
+def test_nccl_api_without_a_usable_library_falls_back_to_torch_or_refuses_direct(monkeypatch):
+    monkeypatch.setattr(nccl_direct, "available", lambda: False)
+    monkeypatch.delenv(NCCL_API_ENV, raising=False)
+    assert resolve_api("auto", "nccl") == "torch"
+    with pytest.raises(ValueError, match="cannot be used"):
+        resolve_api("direct", "nccl")
+    monkeypatch.setattr(nccl_direct, "available", lambda: True)
+    assert resolve_api("auto", "nccl") == "direct"
+    assert resolve_api("auto", "nccl", min_channels=32) == "torch"  # only torch's group sets channels
+    with pytest.raises(ValueError, match="nccl_min_channels"):
+        resolve_api("direct", "nccl", min_channels=32)
+    monkeypatch.setenv(NCCL_API_ENV, "torch")
+    assert resolve_api("auto", "nccl") == "torch"
+
+
+def test_a_missing_nccl_library_is_a_clear_error_not_a_crash(monkeypatch):
+    monkeypatch.setattr(nccl_direct, "_lib", None)
+    monkeypatch.setattr(nccl_direct, "_lib_error", None)
+    monkeypatch.setenv(nccl_direct.LIBRARY_ENV, "/nonexistent/libnccl.so.2")
+    with pytest.raises(KVTransportError, match="cannot use NCCL library '/nonexistent/libnccl.so.2'"):
+        nccl_direct.library()
+    assert not nccl_direct.available()
+
+
+def test_a_sink_refuses_a_direct_pair_it_did_not_offer(pair_ends, monkeypatch):
+    source, sink = pair_ends
+    # White box: this gloo source answers as a direct-NCCL source would.
+    monkeypatch.setattr("pdserve.kv.transport.nccl.pair_api", lambda *args: "direct")
+    source.pin("r", [1])
+    transfer = sink.start_pull(source.address, "r", [1], [1])
+    assert transfer.wait(WAIT_S) is TransferState.FAILED
+    assert "did not offer" in transfer.error
