@@ -62,7 +62,9 @@ __all__ = [
 # 2: NCCL pulls are driven over a per-pair control connection (PullBlocksNccl is no longer used).
 # 3: TP sizes may differ: the compatibility hash leaves TP out, kv_layout marks the heads axis,
 #    and a pull moves the head slice both ranks hold (heads.py).
-WIRE_VERSION = 3
+# 4: an NCCL sink may offer "nccl+direct" in SetupCommunicatorRequest.backend and the source
+#    names the pair's API in its settings (nccl_pair); a v3 source would refuse that offer.
+WIRE_VERSION = 4
 # A pinned request's blocks are freed after this long even if no decode worker pulls them, so a
 # lost decode request cannot leak prefill KV. 30 s is ~100x a slow CPU pull of a long prompt.
 DEFAULT_LEASE_S = 30.0
