@@ -15,8 +15,8 @@ sends and receives exactly as they did with torch's group. Tags are ignored: NCC
 point-to-point ops of one pair in order, and both ends issue them in the same order.
 
 Lifecycle: rank 0 makes a unique id and puts it in the pair's store; rank 1 reads it; both call
-`DirectGroup.connect`, which initializes the communicator and moves one staging-sized message
-from rank 0 to rank 1, so NCCL's lazy connection set-up (which blocks the host until both ends
+`DirectGroup.connect`, which initializes the communicator and moves one staging buffer from
+rank 0 to rank 1, so NCCL's lazy connection set-up (which blocks the host until both ends
 arrive) happens there, under the pair timeout, and never inside a pull. `abort()` is
 ncclCommAbort: pending kernels exit, so a host thread waiting on a CUDA event returns, and every
 later op raises KVTransportError.
@@ -145,19 +145,20 @@ class DirectGroup:
 
     @classmethod
     def connect(
-        cls, uid: bytes, rank: int, device: torch.device, timeout_s: float, warmup_bytes: int
+        cls, uid: bytes, rank: int, device: torch.device, timeout_s: float, warmup: torch.Tensor
     ) -> DirectGroup:
-        """Initializes rank `rank` of the pair's communicator and moves one `warmup_bytes`
-        message 0 -> 1. Both ends must call it; each blocks until the other has. Raises
-        KVTransportError if that takes longer than `timeout_s` (the stuck thread is left behind:
-        NCCL offers no way to interrupt a blocking init)."""
+        """Initializes rank `rank` of the pair's communicator and moves `warmup` (a staging
+        buffer: the largest message the pair will send) 0 -> 1. Both ends must call it; each
+        blocks until the other has. Raises KVTransportError if that takes longer than
+        `timeout_s` (the stuck thread is left behind: a blocking NCCL init cannot be
+        interrupted; it aborts its communicator if it ever finishes)."""
         if len(uid) != _UNIQUE_ID_BYTES:
             raise KVTransportError(f"malformed NCCL unique id ({len(uid)} bytes)")
         outcome: dict[str, Any] = {}
-        gave_up = threading.Event()
+        decided = threading.Lock()  # the init thread's result and the caller's timeout: one wins
 
         def init() -> None:
-            group = None
+            group, error = None, None
             try:
                 torch.cuda.set_device(device)
                 comm = ctypes.c_void_p()
@@ -165,23 +166,30 @@ class DirectGroup:
                 ctypes.memmove(raw.internal, uid, _UNIQUE_ID_BYTES)
                 _check("ncclCommInitRank", library().ncclCommInitRank(ctypes.byref(comm), 2, raw, rank))
                 group = cls(comm.value, device)
-                buffer = torch.empty(max(warmup_bytes, 1), dtype=torch.uint8, device=device)
                 with torch.cuda.stream(group.stream):
                     op = group.send if rank == 0 else group.recv
-                    op([buffer], 1 - rank, 0)
+                    op([warmup], 1 - rank, 0)
                 group.stream.synchronize()
-                outcome["group"] = group
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                outcome["error"] = exc
-            if gave_up.is_set() and group is not None:
-                group.abort()  # the caller timed out: nobody will use this communicator
+                error = exc
+            with decided:
+                gave_up = "timed_out" in outcome
+                if gave_up:
+                    pass
+                elif error is None:
+                    outcome["group"] = group
+                else:
+                    outcome["error"] = error
+            if group is not None and (gave_up or error is not None):
+                group.abort()  # a failed warm-up, or the caller gave up: nobody will use it
 
         thread = threading.Thread(target=init, name="kv-nccl-init", daemon=True)
         thread.start()
         thread.join(timeout_s)
-        if thread.is_alive():
-            gave_up.set()
-            raise KVTransportError(f"NCCL pair set-up (rank {rank}) timed out after {timeout_s:.0f} s")
+        with decided:
+            if not outcome:
+                outcome["timed_out"] = True
+                raise KVTransportError(f"NCCL pair set-up (rank {rank}) timed out after {timeout_s:.0f} s")
         if "error" in outcome:
             error = outcome["error"]
             if isinstance(error, KVTransportError):

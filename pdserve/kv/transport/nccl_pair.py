@@ -187,26 +187,26 @@ class Pair:
         self.region_nbytes = tuple(r.info().block_nbytes for r in self.regions)
 
     def join(self, rank: int, host: str) -> None:
-        """Builds the group, staging and stream; pair thread (source) or pull thread (sink), once."""
-        store = dist.PrefixStore(self.pair_id, self.store)
-        if self.api == "direct":
-            if rank == 0:
-                store.set("nccl-unique-id", nccl_direct.unique_id())
-            uid = store.get("nccl-unique-id")  # rank 1 waits for it (the store's timeout)
-            self.group = nccl_direct.DirectGroup.connect(
-                uid, rank, self.device, self.timeout_s, warmup_bytes=self.staging_bytes
-            )
-        else:
-            self.group = make_pair_group(
-                store, rank, self.backend, host, self.timeout_s, self.min_channels
-            )
-        # Allocated on the device's current stream; used only on the pair's own stream.
+        """Builds the staging, stream and group; pair thread (source) or pull thread (sink), once."""
+        # Allocated on the device's current stream; used only on the pair's own streams.
         self.staging = tuple(
             torch.empty(self.staging_bytes, dtype=torch.uint8, device=self.device)
             for _ in range(self.staging_buffers)
         )
         if self.device.type == "cuda":
             self.stream = torch.cuda.Stream(self.device)
+        store = dist.PrefixStore(self.pair_id, self.store)
+        if self.api == "direct":
+            if rank == 0:
+                store.set("nccl-unique-id", nccl_direct.unique_id())
+            uid = store.get("nccl-unique-id")  # rank 1 waits for it (the store's timeout)
+            self.group = nccl_direct.DirectGroup.connect(
+                uid, rank, self.device, self.timeout_s, warmup=self.staging[0]
+            )
+        else:
+            self.group = make_pair_group(
+                store, rank, self.backend, host, self.timeout_s, self.min_channels
+            )
 
     def live_group(self) -> dist.ProcessGroup | nccl_direct.DirectGroup:
         """The group, or KVTransportError once the pair was aborted."""
