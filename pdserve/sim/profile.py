@@ -14,9 +14,11 @@ The profile is the JSON the simulator (and `PerfModel.from_calibration`) reads, 
   `--output-len` tokens, ignore_eos): the decode step time at that batch. Each request's TPOT is
   (E2EL - TTFT) / (output tokens - 1), not its chunk gaps: pdserve's frontend may carry several
   tokens in one chunk when steps are a few milliseconds (on an H200 at batch 8, two);
-- `decode_ctx_s_per_token` (with `--context-len L`): the largest batch again with L-token
-  prompts (`tpot_ms_by_batch_ctx`); the extra step time over the short prompts, per request and
-  per extra context token, is what attention over the context adds to a decode step. The long
+- `decode_ctx_s_per_token` (with `--context-len L`): `--repeats` back-to-back pairs of the
+  largest batch, with short and with L-token prompts (`tpot_ms_by_batch_ctx`); the median pair's
+  extra step time, per request and per extra context token, is what attention over the context
+  adds to a decode step (pairs, because a shared machine's load drifts between two
+  measurements taken minutes apart: one unpaired measurement moved it 4x). The long
   prompts are prefilled once first (one output token), so the timed requests find them in the
   prefix cache and decode together from their first step: otherwise the largest batch's
   prefill chunks share their steps (an H200 profile so measured read 203 ms per token at
@@ -117,18 +119,37 @@ async def measure(endpoint: EndpointConfig, prompt_lens: Sequence[int], batches:
             tpot[str(batch)] = round(statistics.median(tpots) * 1000, 2)
         context: dict[str, Any] = {}
         if context_len:
-            batch = max(batches)
-            tpots = await _decode_tpots(c, rng, batch, context_len, output_len, vocab)
-            raw["tpot_s"][f"{batch}@{context_len}"] = [round(t, 5) for t in tpots]
-            long_ms = statistics.median(tpots) * 1000
-            context = {"tpot_ms_by_batch_ctx": {f"{batch}@{context_len}": round(long_ms, 2)},
-                       "decode_ctx_s_per_token": context_cost(tpot[str(batch)], long_ms, batch,
-                                                              context_len)}
+            context = await _context_cost(c, rng, max(batches), context_len, output_len, vocab,
+                                          repeats, raw)
         if mixed_requests:
             await _mixed(c, rng, prompt_lens, output_len, mixed_requests, mixed_rate, vocab)
     return {"ttft_single_ms": singles, "prefill_tokens_per_s": slope_rate(singles),
             "prefill_batch_tokens_per_s": batch_rate, "tpot_ms_by_batch": tpot, **context,
             "raw": raw}
+
+
+async def _context_cost(client: OpenAIStreamClient, rng: np.random.Generator, batch: int,
+                        context_len: int, output_len: int, vocab: int, pairs: int,
+                        raw: dict[str, Any]) -> dict[str, Any]:
+    """The decode step's cost per context token, from `pairs` back-to-back pairs of batches:
+    `batch` requests with SHORT_PROMPT-token prompts, then `batch` with `context_len`-token
+    ones. Each pair's difference is taken between neighbours in time, so the drift of a shared
+    machine's load between the two halves mostly cancels; the median over pairs is kept (one
+    pair on two shared cores moved the cost by 4x between sessions)."""
+    costs, longs, shorts = [], [], []
+    for _ in range(max(pairs, 1)):
+        short = await _decode_tpots(client, rng, batch, SHORT_PROMPT, output_len, vocab)
+        long = await _decode_tpots(client, rng, batch, context_len, output_len, vocab)
+        shorts.append([round(t, 5) for t in short])
+        longs.append([round(t, 5) for t in long])
+        short_ms, long_ms = statistics.median(short) * 1000, statistics.median(long) * 1000
+        costs.append(context_cost(short_ms, long_ms, batch, context_len))
+    raw["tpot_s"][f"{batch}@{SHORT_PROMPT}-paired"] = shorts
+    raw["tpot_s"][f"{batch}@{context_len}"] = longs
+    raw["decode_ctx_s_per_token_pairs"] = costs
+    long_ms = statistics.median(statistics.median(t) for t in longs) * 1000
+    return {"tpot_ms_by_batch_ctx": {f"{batch}@{context_len}": round(long_ms, 2)},
+            "decode_ctx_s_per_token": statistics.median(costs)}
 
 
 def context_cost(short_ms: float, long_ms: float, batch: int, context_len: int) -> float:

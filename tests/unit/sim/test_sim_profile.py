@@ -62,6 +62,30 @@ def test_the_context_cost_of_a_decode_step():
     assert p.step_s(0, 8, context_tokens=8 * 300) == pytest.approx(0.100 + 3e-5 * 2400)
 
 
+def test_the_context_cost_pairs_its_batches_so_a_drifting_machine_cancels_out(monkeypatch):
+    import asyncio
+
+    from pdserve.sim import profile
+
+    # The machine slows by 10 ms per measurement; long (512-token) prompts add 40 ms a step.
+    calls = []
+
+    async def decode_tpots(client, rng, batch, prompt_len, output_len, vocab):
+        calls.append(prompt_len)
+        step = 0.100 + 0.010 * (len(calls) - 1) + (0.040 if prompt_len == 512 else 0.0)
+        return [step] * batch
+
+    monkeypatch.setattr(profile, "_decode_tpots", decode_tpots)
+    raw = {"tpot_s": {}}
+    out = asyncio.run(profile._context_cost(None, None, 8, 512, 32, 1000, 3, raw))
+    assert calls == [profile.SHORT_PROMPT, 512] * 3  # short then long, three times
+    # Each pair sees 40 ms plus one step of drift; an unpaired short batch measured before
+    # the others (as profiles did until session 9) would also count the drift of the pairs.
+    expected = context_cost(100.0, 150.0, 8, 512)
+    assert out["decode_ctx_s_per_token"] == pytest.approx(expected)
+    assert raw["decode_ctx_s_per_token_pairs"] == pytest.approx([expected] * 3)
+
+
 def test_request_tpot_counts_tokens_not_stream_chunks():
     from pdserve.bench.client import RequestOutcome
     from pdserve.sim.profile import request_tpots
