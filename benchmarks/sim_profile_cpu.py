@@ -65,6 +65,18 @@ def bench(base_url: str, model_dir: Path, arm: str, rate: float, out: Path,
     subprocess.run(cmd, check=True)
 
 
+def engine_batched_tokens(log: str) -> int:
+    """The max_num_batched_tokens every engine of the service runs with, from vLLM's start-up
+    line in the service log (pdserve leaves it to vLLM's default unless configured: 2048 on the
+    CPU backend). The profile must carry the engine's own value: the simulator batches prompts
+    up to it, and the profile's former default (4096) let a simulated prefill engine send
+    decode twice the bursts the real one did (session 9: 1P1D TPOT +55-73% at 2 req/s)."""
+    found = set(re.findall(r"max_num_batched_tokens=(\d+)", log))
+    if len(found) != 1:
+        raise RuntimeError(f"cannot tell the engines' max_num_batched_tokens from the log: {found}")
+    return int(found.pop())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arm", choices=sorted(ARMS), required=True)
@@ -90,9 +102,12 @@ def main() -> int:
     try:
         log = (args.out / f"{args.arm}-serve.log").read_text(errors="replace")
         blocks = re.findall(r"num_gpu_blocks[^0-9]*(\d+)|GPU KV cache size: ([\d,]+) tokens", log)
-        print(f"service up in {startup:.1f} s; KV lines in log: {blocks[:2]}", flush=True)
+        batched = engine_batched_tokens(log)
+        print(f"service up in {startup:.1f} s; KV lines in log: {blocks[:2]}; "
+              f"max_num_batched_tokens {batched}", flush=True)
         argv = ["--base-url", server.base_url, "--model-dir", str(model_dir),
                 "--num-kv-blocks", str(NUM_KV_BLOCKS), "--block-size", "128",
+                "--max-num-batched-tokens", str(batched),
                 "--startup-s", f"{startup:.1f}", "--context-len", "256", "--note",
                 f"pdserve serve {' '.join(ARMS[args.arm])} on the 2-core CPU box",
                 "--out", str(args.out / f"{args.arm}.json"),

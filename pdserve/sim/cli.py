@@ -11,7 +11,8 @@ a simulation needs: rate curves over a day, a topology, an engine profile.
         --ttft-ms 500 --tpot-ms 50 --save-result out.json --plot-dir plots/
     pdserve sim search --profile ... --dataset-name chat --num-prompts 5000 --request-rate 30 \
         --ttft-ms 500 --tpot-ms 50 --attainment 0.9 --max-engines 12 --autoscale
-    pdserve sim profile --base-url http://127.0.0.1:8000 --model-dir DIR --num-kv-blocks 182 ...
+    pdserve sim profile --base-url http://127.0.0.1:8000 --model-dir DIR --num-kv-blocks 182 \
+        --max-num-batched-tokens 2048 ...
 """
 
 from __future__ import annotations

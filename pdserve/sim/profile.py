@@ -242,7 +242,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--num-kv-blocks", type=int, required=True, help="KV blocks per engine (engine log)")
     parser.add_argument("--block-size", type=int, default=128, help="tokens per KV block (CPU vLLM: 128)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--max-num-batched-tokens", type=int, required=True,
+                        help="the engine's own (vLLM logs it at start: 'Chunked prefill is enabled "
+                        "with max_num_batched_tokens=N'); the simulator batches prompts up to it")
     parser.add_argument("--startup-s", type=float, required=True, help="engine start to ready, measured")
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[32, 128, 256, 512])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])

@@ -1,0 +1,29 @@
+"""benchmarks/sim_profile_cpu.py: the profile carries the engines' own max_num_batched_tokens."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+_PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "sim_profile_cpu.py"
+_spec = importlib.util.spec_from_file_location("sim_profile_cpu", _PATH)
+script = importlib.util.module_from_spec(_spec)
+sys.modules["sim_profile_cpu"] = script
+_spec.loader.exec_module(script)
+
+LINE = ("(EngineActor pid=15789) INFO 11-27 08:20:02 [scheduler.py:307] Chunked prefill is enabled "
+        "with max_num_batched_tokens={}.\n")
+
+
+def test_the_engines_batched_token_budget_comes_from_their_start_up_lines():
+    log = "service starting\n" + LINE.format(2048) + LINE.format(2048) + "ready\n"
+    assert script.engine_batched_tokens(log) == 2048
+
+
+@pytest.mark.parametrize("log", ["no such line\n", LINE.format(2048) + LINE.format(4096)])
+def test_a_missing_or_ambiguous_budget_stops_the_profile(log):
+    with pytest.raises(RuntimeError, match="max_num_batched_tokens"):
+        script.engine_batched_tokens(log)
