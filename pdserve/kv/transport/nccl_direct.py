@@ -1,11 +1,13 @@
 """Direct NCCL point-to-point for KV pairs: ncclSend / ncclRecv called through ctypes.
 
-Why not torch.distributed: through ProcessGroupNCCL each send or receive costs 70-250 us of host
-time (work object, events, stream bookkeeping; measured on H100 hosts in sessions 6 and 8,
-benchmarks/results/gpu/2026-11-26-h100-x2 and 2026-11-27-h100-x4-b), and a 256 MiB pull makes
-four of them plus four block copies on each side, so the host fed the wire late: the GPU moved
-the pull's bytes at ~50% of a peer copy while NVLink was idle between sends. Here an op is one
-foreign call of a few microseconds that releases the GIL (vLLM's pynccl does the same).
+Why not torch.distributed: the host queued a 256 MiB pull's sends and block copies at 70-250 us
+per operation (sessions 6 and 8, benchmarks/results/gpu/2026-11-26-h100-x2 and
+2026-11-27-h100-x4-b), and the GPU moved the bytes at ~50% of a peer copy with NVLink idle
+between sends. Here an op is one foreign call of a few microseconds that releases the GIL
+(vLLM's pynccl does the same). Measured against torch's group in one run (session 9,
+2026-11-27-h100-x4-c): 1.50 against 1.62 ms for 256 MiB. Most of the per-batch host time was
+not torch's group: ~0.15-0.2 ms per batch remains with direct calls, and the GPU timeline
+points at the block copies' launch.
 
 `DirectGroup` mimics the part of a ProcessGroup that nccl.py uses, with the same stream
 semantics: `send([t], peer, tag)` / `recv([t], peer, tag)` run on the group's own stream after
