@@ -400,7 +400,7 @@ def run(args: argparse.Namespace) -> tuple[Shape, list[Result]]:
                     seconds = bench.time_pulls(sink, blocks_per_pull, bench.address, remote_pin)
                     phases, gpu_gbps = trace_summary(sink, args.repeats, bench.source_traces(args.repeats))
                     verified = bench.verify_last_pull()
-                    api = ",".join(sorted({p.api for p in getattr(sink, "_pairs", {}).values()})) or None
+                    api = pair_apis(sink) if name == "nccl" else None
                     results.append(Result(name, nbytes, seconds, "", phases, gpu_gbps, verified, api))
                     if args.torch_profile and name == "nccl" and shape.sink_device.startswith("cuda"):
                         args.torch_profile.mkdir(parents=True, exist_ok=True)
@@ -421,6 +421,11 @@ def run(args: argparse.Namespace) -> tuple[Shape, list[Result]]:
         fake_source.close()
         bench.close()
     return shape, results
+
+
+def pair_apis(sink: NcclSink) -> str:
+    """How the sink's pairs move bytes ("direct", "torch", or both joined by a comma)."""
+    return ",".join(sorted({pair.api for pair in sink._pairs.values()}))
 
 
 # The sink's phases (PullTrace) and the source's (SourceTrace), in the order a pull passes them.

@@ -148,7 +148,7 @@ def _measure(args, bench, shape, sink, address, pin, row: Row) -> None:
     row.peer_seconds = bench.peer_copy_baseline(row.size_bytes) if on_gpus else []
     row.seconds = bench.time_pulls(sink, blocks_per_pull, address, pin, PULL_WAIT_S)
     row.verified = bench.verify_last_pull()
-    row.pair_api = ",".join(sorted({pair.api for pair in sink._pairs.values()}))
+    row.pair_api = tb.pair_apis(sink)
     row.phases_ms, row.gpu_gbps = tb.trace_summary(sink, args.repeats, bench.source_traces(args.repeats))
     row.ms = statistics.median(row.seconds) * 1e3
     row.gbps = row.size_bytes / row.ms / 1e6

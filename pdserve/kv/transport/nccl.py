@@ -10,8 +10,9 @@ The gRPC transport handles handshake and session as for gRPC pulls. Then, once p
 
 Per pull, the sink sends one header frame (request, source blocks, release) over the control
 connection and at once posts its receives; the source's pair thread wakes on the frame, checks
-the pin, queues its sends, then answers with one reply frame (the sink reads it after the data). Both ends cut the pull into the same batches
-(blocks.plan_pieces/pack_batches), so no per-batch metadata crosses the wire. A refused pull
+the pin, queues its sends, then answers with one reply frame (the sink reads it after the
+data). Both ends cut the pull into the same batches (blocks.plan_pieces/pack_batches), so no
+per-batch metadata crosses the wire. A refused pull
 (not pinned, lease expired) still sends the planned bytes, stale, so both ends stay in step;
 the sink reads the refusal after the data and fails the pull (the connector recomputes or
 fails the request, whose destination blocks it reports as failed).
