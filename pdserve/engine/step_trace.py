@@ -4,20 +4,32 @@ With `engine.step_trace_dir` set, every engine appends its steps to
 `{dir}/{replica_id}.steps.jsonl`: when the step's outputs reached the engine's process (`t`,
 monotonic seconds, the same clock for every process of a host), the prompt tokens it prefilled
 (`prefill_tokens`, over `prefill_reqs` requests), the requests it decoded (`decode_reqs`), the
-requests still running or waiting after it (`pending`), and `busy_s`, the engine's own timing
+requests still running or waiting after it (`pending`), `busy_s`, the engine's own timing
 of the step where it reports one (vLLM's iteration details; older vLLMs give one line per
-batch of outputs, see pdserve.engine.vllm_engine).
+batch of outputs, see pdserve.engine.vllm_engine), and `context_tokens`, the tokens of KV the
+engine holds after the step (`kv_context_tokens`: vLLM's KV usage x its blocks x block size,
+less half a block per running request for the partly filled last blocks).
 
 `fit_steps` turns a trace into the simulator's step model (pdserve.sim.engine_profile):
 
     step_s = decode_step_s + decode_step_per_seq_s * decode_reqs + prefill_tokens / prefill_tokens_per_s
+           + decode_ctx_s_per_token * context_tokens
 
 fitted by least squares to step *periods*: the time between one step's outputs and the next's.
 A period counts only when the engine cannot have idled in between: the step before left requests
 running or waiting; prefill-only steps after a quiet spell are left out, and so are a
 disaggregated decode engine's steps that load pulled KV (`decode_only`). Unlike
 inter-token gaps timed at the client, this is the engine's own cadence, and mixed steps (decodes
-plus prefill chunks, vLLM's chunked prefill) show what a prompt costs while others decode.
+plus prefill chunks, vLLM's chunked prefill) show what a prompt costs while others decode. A
+prefill-only step after a quiet spell has no period, but where the engine timed it (`busy_s`) that
+time counts instead: a disaggregated prefill engine serving one prompt at a time has no other
+steps to fit its prefill rate on.
+
+The context term is fitted only where the trace can tell it from the per-request term: where
+every request holds about the same context, context tokens are a multiple of the batch and the
+two columns are one. So it is fitted when the context per decoding request varies (coefficient of
+variation >= `min_context_cv`) and comes out positive; otherwise `decode_ctx_s_per_token` is None
+and the per-request slope carries the trace's average context, as before.
 """
 
 from __future__ import annotations
@@ -41,6 +53,18 @@ class Step:
     decode_reqs: int
     busy_s: float | None = None
     pending: int | None = None  # requests running or waiting after the step; None: unknown
+    context_tokens: int | None = None  # KV tokens held after the step; None: unknown
+
+
+def kv_context_tokens(kv_cache_usage: float, num_blocks: int | None, block_size: int | None,
+                      running: int) -> int | None:
+    """The tokens of KV an engine holds, from vLLM's KV usage (the used fraction of its blocks):
+    used blocks x block size, less (block size - 1) / 2 per running request, the expected unused
+    tail of each request's last block. None when the engine's block count is unknown."""
+    if not num_blocks or not block_size:
+        return None
+    held = kv_cache_usage * num_blocks * block_size - running * (block_size - 1) / 2
+    return max(0, round(held))
 
 
 class StepTraceWriter:
@@ -89,6 +113,8 @@ class StepFit:
     steps: int  # periods the fit used
     mixed_steps: int  # of which also prefilled
     residual_p50_s: float  # median |period - fit|
+    decode_ctx_s_per_token: float | None = None  # None: the trace cannot tell it (module doc)
+    context_cv: float | None = None  # spread of context per decoding request; None: unknown
 
     def to_json(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -111,26 +137,78 @@ def step_periods(steps: Iterable[Step]) -> list[tuple[Step, float]]:
 
 
 def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10, min_mixed_steps: int = 5,
-              decode_only: Iterable[list[Step]] = ()) -> StepFit:
+              decode_only: Iterable[list[Step]] = (), min_context_cv: float = 0.25) -> StepFit:
     """Least-squares step model over the periods of every trace (see the module docstring).
 
     `decode_only` traces contribute only their steps that prefilled nothing: a disaggregated
     decode engine's "prefill" steps load KV pulled from a prefill engine, which is not the
     prefill cost. One pass drops periods more than 5 median absolute deviations off the first
     fit (a stalled process, a GC pause), then refits. The prefill rate is fitted only when at
-    least `min_mixed_steps` periods prefilled; otherwise it is None (a decode-only model).
+    least `min_mixed_steps` periods prefilled; otherwise it is None (a decode-only model). The
+    context term: see the module docstring.
     """
-    rows = [(s.decode_reqs, s.prefill_tokens, p) for trace in traces for s, p in step_periods(trace)]
-    rows += [(s.decode_reqs, 0, p) for trace in decode_only for s, p in step_periods(trace)
+    traces = [list(t) for t in traces]
+    rows = [_row(s, p) for trace in traces for s, p in step_periods(trace)]
+    rows += [_row(s, s.busy_s) for trace in traces for s in _timed_alone(trace)]
+    rows += [_row(s, p) for trace in decode_only for s, p in step_periods(trace)
              if s.prefill_tokens == 0]
     if len(rows) < min_steps:
         raise ValueError(f"{len(rows)} usable step periods in the trace, need {min_steps}: "
                          "run some load with several requests decoding at once")
-    data = np.asarray(rows, dtype=float)
+    data = np.asarray(rows, dtype=float)  # decode_reqs, prefill_tokens, context (nan), period
     mixed = int((data[:, 1] > 0).sum())
     columns = [0, 1] if mixed >= min_mixed_steps else [0]
+    cv = _context_cv(data)
+    fits = [columns + [2]] if cv is not None and cv >= min_context_cv else []
+    for cols in [*fits, columns]:
+        coef, x, y = _robust_fit(data, cols, min_steps)
+        if 2 not in cols or coef[-1] > 0:
+            break
+    rate = None
+    if 1 in cols and coef[cols.index(1) + 1] > 0:
+        rate = 1.0 / float(coef[cols.index(1) + 1])
+    return StepFit(
+        decode_step_s=max(float(coef[0]), 0.0), decode_step_per_seq_s=max(float(coef[1]), 0.0),
+        prefill_tokens_per_s=rate, steps=len(y),
+        mixed_steps=int((x[:, cols.index(1) + 1] > 0).sum()) if 1 in cols else 0,
+        residual_p50_s=float(np.median(np.abs(y - x @ coef))),
+        decode_ctx_s_per_token=float(coef[-1]) if 2 in cols else None,
+        context_cv=None if cv is None else round(cv, 4),
+    )
+
+
+def _row(step: Step, seconds: float) -> tuple[float, float, float, float]:
+    context = np.nan if step.context_tokens is None else step.context_tokens
+    return step.decode_reqs, step.prefill_tokens, context, seconds
+
+
+def _timed_alone(trace: list[Step]) -> list[Step]:
+    """Prefill-only steps without a period (the engine may have idled before them) that the
+    engine timed itself."""
+    with_period = {id(s) for s, _ in step_periods(trace)}
+    return [s for s in trace if id(s) not in with_period and s.busy_s
+            and s.prefill_tokens > 0 and s.decode_reqs == 0]
+
+
+def _context_cv(data: np.ndarray) -> float | None:
+    """Coefficient of variation of the context per decoding request, over the rows that decoded;
+    None unless every row knows its context."""
+    if np.isnan(data[:, 2]).any():
+        return None
+    decoding = data[:, 0] > 0
+    if decoding.sum() < 2:
+        return None
+    per_request = data[decoding, 2] / data[decoding, 0]
+    mean = float(per_request.mean())
+    return float(per_request.std() / mean) if mean > 0 else None
+
+
+def _robust_fit(data: np.ndarray, columns: list[int], min_steps: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Least squares on `columns` (plus an intercept), once more without the periods more than
+    5 median absolute deviations off the first fit."""
     x = np.column_stack([np.ones(len(data)), data[:, columns]])
-    y = data[:, 2]
+    y = data[:, 3]
     coef = _lstsq(x, y)
     residual = np.abs(y - x @ coef)
     mad = float(np.median(residual)) or 1e-9
@@ -138,15 +216,7 @@ def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10, min_mixed_steps
     if keep.sum() >= max(min_steps, x.shape[1] + 1):
         x, y = x[keep], y[keep]
         coef = _lstsq(x, y)
-    rate = None
-    if len(columns) == 2 and coef[2] > 0:
-        rate = 1.0 / float(coef[2])
-    return StepFit(
-        decode_step_s=max(float(coef[0]), 0.0), decode_step_per_seq_s=max(float(coef[1]), 0.0),
-        prefill_tokens_per_s=rate, steps=len(y),
-        mixed_steps=int((x[:, 2] > 0).sum()) if len(columns) == 2 else 0,
-        residual_p50_s=float(np.median(np.abs(y - x @ coef))),
-    )
+    return coef, x, y
 
 
 def fit_replicas(traces: Mapping[str, list[Step]]) -> StepFit:

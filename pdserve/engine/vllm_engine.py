@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.step_trace import Step, StepTraceWriter
+from pdserve.engine.step_trace import Step, StepTraceWriter, kv_context_tokens
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
 
 if TYPE_CHECKING:
@@ -69,7 +69,8 @@ def _stat_logger_factory(sink: _LatestSchedulerStats, trace: StepTraceWriter | N
 
     class _Recorder(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            pass
+            # Read at each step: the engine core reports its block count after start-up.
+            self._cache = vllm_config.cache_config
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
             if scheduler_stats is not None:
@@ -84,9 +85,15 @@ def _stat_logger_factory(sink: _LatestSchedulerStats, trace: StepTraceWriter | N
             if iteration_details:
                 details = getattr(scheduler_stats, "iteration_details", None)
                 if details is not None and not details.is_dummy:
-                    trace.record(step_of_iteration(details, scheduler_stats, time.monotonic()))
+                    trace.record(step_of_iteration(details, scheduler_stats, time.monotonic(),
+                                                   self._kv_shape()))
             elif iteration_stats is not None:
-                trace.record(step_of_outputs(iteration_stats, scheduler_stats, time.monotonic()))
+                trace.record(step_of_outputs(iteration_stats, scheduler_stats, time.monotonic(),
+                                             self._kv_shape()))
+
+        def _kv_shape(self) -> tuple[int | None, int | None]:
+            return (getattr(self._cache, "num_gpu_blocks", None),
+                    getattr(self._cache, "block_size", None))
 
         def log_engine_initialized(self) -> None:
             pass
@@ -94,23 +101,38 @@ def _stat_logger_factory(sink: _LatestSchedulerStats, trace: StepTraceWriter | N
     return lambda vllm_config, engine_index=0: _Recorder(vllm_config, engine_index)
 
 
-def step_of_iteration(details: Any, scheduler: Any, now: float) -> Step:
+KvShape = tuple[int | None, int | None]  # the engine's (KV blocks, block size)
+
+
+def step_of_iteration(details: Any, scheduler: Any, now: float,
+                      kv_shape: KvShape = (None, None)) -> Step:
     """A trace line from vLLM's per-iteration details (SchedulerIterationDetails) and the
-    scheduler stats they came with (what is left after the step)."""
+    scheduler stats they came with (what is left after the step, and the KV it holds)."""
     return Step(t=now, prefill_tokens=details.num_ctx_tokens, prefill_reqs=details.num_ctx_requests,
                 decode_reqs=details.num_generation_requests,
                 busy_s=round(details.elapsed_ms / 1000, 6),
-                pending=scheduler.num_running_reqs + scheduler.num_waiting_reqs)
+                pending=scheduler.num_running_reqs + scheduler.num_waiting_reqs,
+                context_tokens=_context(scheduler, kv_shape))
 
 
-def step_of_outputs(stats: Any, scheduler: Any, now: float) -> Step:
+def step_of_outputs(stats: Any, scheduler: Any, now: float,
+                    kv_shape: KvShape = (None, None)) -> Step:
     """A trace line from the IterationStats of one batch of outputs (vLLM without iteration
     details): requests that got their first token prefilled, the others decoded; what is left
-    running or waiting from the scheduler stats that came with it, when they did."""
+    running or waiting, and the KV held, from the scheduler stats that came with it, when they
+    did."""
     first = len(stats.time_to_first_tokens_iter)
     pending = None if scheduler is None else scheduler.num_running_reqs + scheduler.num_waiting_reqs
     return Step(t=now, prefill_tokens=stats.prompt_token_stats.computed, prefill_reqs=first,
-                decode_reqs=stats.num_generation_tokens - first, pending=pending)
+                decode_reqs=stats.num_generation_tokens - first, pending=pending,
+                context_tokens=_context(scheduler, kv_shape))
+
+
+def _context(scheduler: Any, kv_shape: KvShape) -> int | None:
+    usage = getattr(scheduler, "kv_cache_usage", None)
+    if usage is None:
+        return None
+    return kv_context_tokens(float(usage), *kv_shape, running=scheduler.num_running_reqs)
 
 
 class VllmEngine:

@@ -9,6 +9,10 @@ engine step (vLLM continuous batching) serves the running decode batch plus up t
            + prefill_tokens / prefill_tokens_per_s                  (its prefill chunks)
            + decode_ctx_s_per_token * context tokens of the batch   (0 unless the profile has it)
 
+With a `step_fit` in the profile (pdserve.engine.step_trace), its own context term is the one used
+(0 where the trace could not tell one): the profile's separately measured context cost is then
+left out, since the fitted per-request slope already carries the trace's average context.
+
 `decode_step_s` is the fixed cost of any step (scheduling, kernel launches), so a pure prefill
 step costs `decode_step_s + tokens / rate`. A single request's measured TTFT is that plus the
 response path (HTTP, the frontend, streaming), which does not occupy the engine:
@@ -71,6 +75,13 @@ class EngineProfile:
         fields = {k: data[k] for k in ("block_size", "num_kv_blocks", "max_num_seqs",
                                        "max_num_batched_tokens", "startup_s",
                                        "decode_ctx_s_per_token", "gpus") if k in data}
+        step_fit = data.get("step_fit") or {}
+        if step_fit:
+            # The step fit times the engine's own steps: its context term, or where the trace
+            # could not tell one its per-request slope, already carries the batch's context. A
+            # context cost measured apart and added on top counts it twice (2026-11-27: H100
+            # TPOT +15..28% under load; CPU 35 of 60 cells within 15% with it, 43 without).
+            fields["decode_ctx_s_per_token"] = step_fit.get("decode_ctx_s_per_token") or 0.0
         if "num_kv_blocks" not in fields and "kv_capacity_tokens" in data:
             size = fields.get("block_size", 16)
             fields["num_kv_blocks"] = int(data["kv_capacity_tokens"]) // size

@@ -223,5 +223,13 @@ def test_the_engine_traces_its_steps(server, client, step_trace_dir):
     assert sum(s.prefill_tokens for s in steps) >= 4 * 50
     assert max(s.decode_reqs for s in steps) >= 2
     assert sum(s.decode_reqs for s in steps) >= 4 * 11
+    # Each step carries the KV it holds after the step: at least one 128-token block per
+    # request still running (60+ token prompts), at most the four prompts and outputs rounded up
+    # to blocks. A request that finished in the step has freed its blocks by then.
+    decoding = [s for s in steps if s.decode_reqs > 0]
+    assert all(s.context_tokens is not None for s in decoding)
+    assert all(0 <= s.context_tokens <= 4 * 256 for s in decoding)
+    assert all(s.context_tokens >= 60 * s.pending for s in decoding)
+    assert max(s.context_tokens for s in decoding) >= 4 * 60
     fit = fit_steps([steps])
     assert fit.decode_step_s > 0 and fit.steps >= 10

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.config.schema import MockEngineConfig
 from pdserve.engine.step_trace import (
-    Step, StepTraceWriter, fit_replicas, fit_steps, read_steps, step_periods,
+    Step, StepTraceWriter, fit_replicas, fit_steps, kv_context_tokens, read_steps, step_periods,
 )
 from pdserve.engine.types import GenerateRequest, SamplingOptions
 from pdserve.scheduler.perf_model import PerfModel
@@ -92,6 +92,80 @@ def test_without_prefilling_steps_the_fit_is_decode_only():
         fit_steps([trace[:5]])
 
 
+C = 2e-5  # seconds per context token per step, of the engine below
+
+
+def context_trace(seed: int = 0, steps: int = 300, short: int = 16, long: int = 2048
+                  ) -> list[Step]:
+    """Decode steps of an engine whose step also pays for its context; each run of steps holds
+    a batch of short- or long-context requests, as the profile's context phase does."""
+    rng = random.Random(seed)
+    t, trace = 0.0, []
+    for i in range(steps):
+        batch = rng.randint(1, 32)
+        per_request = (short if (i // 20) % 2 else long) + rng.randint(0, 32)
+        context = batch * per_request
+        t += (A + B * batch + C * context) * rng.uniform(0.98, 1.02)
+        trace.append(Step(t, 0, 0, batch, pending=batch, context_tokens=context))
+    return trace
+
+
+def test_the_fit_takes_a_context_term_where_the_trace_can_tell_it():
+    fit = fit_steps([context_trace()])
+    assert fit.decode_ctx_s_per_token == pytest.approx(C, rel=0.05)
+    assert fit.decode_step_s == pytest.approx(A, rel=0.1)
+    assert fit.decode_step_per_seq_s == pytest.approx(B, rel=0.1)
+    assert fit.context_cv > 0.25
+
+
+def test_where_every_request_holds_the_same_context_the_slope_carries_it():
+    # Context 300 per request at every step: context is 300 x batch, one column with the batch.
+    trace = context_trace(short=300, long=300)
+    fit = fit_steps([trace])
+    assert fit.decode_ctx_s_per_token is None and fit.context_cv < 0.25
+    assert fit.decode_step_per_seq_s == pytest.approx(B + C * 316, rel=0.05)
+    # Without context in the trace (vLLM gave no KV usage) the fit is the same, without a cv.
+    bare = [Step(s.t, 0, 0, s.decode_reqs, pending=s.pending) for s in trace]
+    assert fit_steps([bare]).decode_ctx_s_per_token is None and fit_steps([bare]).context_cv is None
+
+
+def test_a_negative_context_term_is_not_kept():
+    # Longer contexts that ran *faster* (noise, another process): no context term, not a
+    # negative one that would make long contexts free.
+    trace = [Step(s.t, 0, 0, s.decode_reqs, pending=s.pending,
+                  context_tokens=s.decode_reqs * (2064 if s.context_tokens < 400 * s.decode_reqs
+                                                  else 16))
+             for s in context_trace()]
+    fit = fit_steps([trace])
+    assert fit.decode_ctx_s_per_token is None and fit.context_cv > 0.25
+
+
+def test_lone_prefills_count_with_the_engines_own_timing():
+    # A disaggregated prefill engine at low load: every prompt arrives to an idle engine, so no
+    # step has a period; the engine's own step timing (busy_s) still gives its prefill rate.
+    prefill, t = [], 0.0
+    for i in range(30):
+        tokens = 128 * (1 + i % 4)
+        t += 5.0
+        prefill.append(Step(t, tokens, 1, 0, busy_s=A + tokens / RATE, pending=0))
+    decode = context_trace(short=300, long=300)
+    fit = fit_replicas({"prefill-0": prefill, "decode-0": decode})
+    assert fit.prefill_tokens_per_s == pytest.approx(RATE, rel=0.01)
+    assert fit.mixed_steps == 30
+    # Untimed (vLLM 0.24 traces have no busy_s), they cannot count.
+    untimed = [Step(s.t, s.prefill_tokens, 1, 0, pending=0) for s in prefill]
+    assert fit_replicas({"prefill-0": untimed, "decode-0": decode}).prefill_tokens_per_s is None
+
+
+def test_kv_usage_becomes_context_tokens():
+    # 182 blocks of 128 tokens, 10% used by 4 running requests: 2330 tokens of blocks, less
+    # 4 x 63.5 of partly filled last blocks.
+    assert kv_context_tokens(0.1, 182, 128, running=4) == round(0.1 * 182 * 128 - 4 * 63.5)
+    assert kv_context_tokens(0.0, 182, 128, running=0) == 0
+    assert kv_context_tokens(0.001, 182, 128, running=3) == 0  # never negative
+    assert kv_context_tokens(0.5, None, 128, running=1) is None
+
+
 def test_the_writer_appends_lines_that_read_back_by_replica_and_time(tmp_path):
     writer = StepTraceWriter(tmp_path / "steps", "decode-0")
     for i in range(3):
@@ -151,14 +225,17 @@ def test_vllm_stats_become_trace_lines():
 
     details = SimpleNamespace(num_ctx_tokens=300, num_ctx_requests=2, num_generation_requests=7,
                               elapsed_ms=81.5)
-    scheduler = SimpleNamespace(num_running_reqs=8, num_waiting_reqs=3)
+    scheduler = SimpleNamespace(num_running_reqs=8, num_waiting_reqs=3, kv_cache_usage=0.25)
     assert step_of_iteration(details, scheduler, 5.0) == Step(5.0, 300, 2, 7, 0.0815, pending=11)
+    # With the engine's KV shape (100 blocks of 16 tokens): 400 tokens of blocks, less 8 x 7.5.
+    assert step_of_iteration(details, scheduler, 5.0, (100, 16)).context_tokens == 340
     # vLLM 0.24: one batch of outputs, 2 requests got their first token (after computing 900
     # prompt tokens; cached ones do not count), 6 more decoded one token each.
     stats = SimpleNamespace(time_to_first_tokens_iter=[0.2, 0.3], num_generation_tokens=8,
                             prompt_token_stats=SimpleNamespace(computed=900, total=1200))
     assert step_of_outputs(stats, None, 6.0) == Step(6.0, 900, 2, 6, None)
     assert step_of_outputs(stats, scheduler, 6.0) == Step(6.0, 900, 2, 6, None, pending=11)
+    assert step_of_outputs(stats, scheduler, 6.0, (100, 16)).context_tokens == 340
 
 
 def test_the_trace_source_follows_what_reaches_stat_loggers(monkeypatch):

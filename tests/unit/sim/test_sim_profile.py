@@ -62,6 +62,21 @@ def test_the_context_cost_of_a_decode_step():
     assert p.step_s(0, 8, context_tokens=8 * 300) == pytest.approx(0.100 + 3e-5 * 2400)
 
 
+def test_a_step_fit_brings_its_own_context_term_in_place_of_the_measured_one():
+    measured = {"prefill_tokens_per_s": 400.0, "tpot_ms_by_batch": {"1": 100.0},
+                "decode_ctx_s_per_token": 3e-5}
+    fit = {"decode_step_s": 0.07, "decode_step_per_seq_s": 0.004, "prefill_tokens_per_s": None}
+    with_ctx = EngineProfile.from_json({**measured, "step_fit": {**fit, "decode_ctx_s_per_token": 1e-5}})
+    assert with_ctx.step_s(0, 8, context_tokens=2400) == pytest.approx(0.07 + 0.032 + 0.024)
+    # A fit that could not tell a context term: its slope carries the context already.
+    without = EngineProfile.from_json({**measured, "step_fit": {**fit, "decode_ctx_s_per_token": None}})
+    assert without.decode_ctx_s_per_token == 0.0
+    assert EngineProfile.from_json({**measured, "step_fit": fit}).decode_ctx_s_per_token == 0.0
+    # An explicit override still wins (what-if runs).
+    assert EngineProfile.from_json({**measured, "step_fit": fit},
+                                   decode_ctx_s_per_token=2e-5).decode_ctx_s_per_token == 2e-5
+
+
 def test_the_context_cost_pairs_its_batches_so_a_drifting_machine_cancels_out(monkeypatch):
     import asyncio
 
