@@ -5,9 +5,14 @@ simulator request for request (its own arrival offsets, prompt and output length
 topology it ran (colocated x1 or 1P1D), with the engine profile recorded from the CPU service,
 and scored with the harness's metrics and the run's goodput SLOs.
 
-Fitted under load (`--fit-trace DIR --fit-run RUN.json`): the profile's `step_fit` is refitted
-on the engines' step traces (`--step-trace` of sim_profile_cpu.py) recorded during one measured
-run, and every run is predicted with it; the other runs are held out. On two shared cores the
+Refitted (`--refit-trace DIR`): the profile's step_fit is redone with the current fit code on the
+profile's own steps (those before the first measured run), for a profile recorded by older code.
+
+Fitted under load (`--fit-trace DIR --fit-run RUN.json...`): the profile's `step_fit` is refitted
+on the engines' step traces (`--step-trace` of sim_profile_cpu.py) recorded during the given
+runs, and every --measured run is predicted with it; the runs not fitted on are held out (the
+table marks the others "(fit)"). With --trace-runs listing every run of the trace, the fit runs
+need not be among --measured: fit on one repeat, predict another. On two shared cores the
 benchmark client and the frontend slow the engines down, which a profile taken before the load
 does not see. A run's steps are found from its wall-clock start and duration, counted back from
 the trace's end (the last run).
@@ -85,23 +90,47 @@ def run_windows(traces: dict[str, list], runs: list[dict]) -> list[tuple[float, 
             for start, r in zip(starts, runs, strict=True)]
 
 
-def fitted_on_run(profile: dict, traces: dict[str, list], window: tuple[float, float]) -> dict:
-    """The profile with its step_fit refitted on the steps inside `window`."""
+def fitted_on_runs(profile: dict, traces: dict[str, list], windows: list[tuple[float, float]]
+                   ) -> dict:
+    """The profile with its step_fit refitted on the steps inside `windows`."""
     from pdserve.engine.step_trace import fit_replicas
 
-    inside = {r: [s for s in steps if window[0] <= s.t <= window[1]] for r, steps in traces.items()}
-    return {**profile, "step_fit": {**fit_replicas(inside).to_json(), "window": list(window)}}
+    inside = {r: [s for s in steps if any(a <= s.t <= b for a, b in windows)]
+              for r, steps in traces.items()}
+    return {**profile, "step_fit": {**fit_replicas(inside).to_json(),
+                                    "windows": [list(w) for w in windows]}}
+
+
+def refitted_profile(profile: dict, traces: dict[str, list], runs: list[dict]) -> dict:
+    """The profile with its step_fit redone by today's fit on the profile's own steps: from its
+    recorded `since` (else the trace's first step) to the first measured run's start."""
+    from pdserve.engine.step_trace import fit_replicas
+
+    first_run = min(start for start, _ in run_windows(traces, runs))
+    since = (profile.get("step_fit") or {}).get("since")
+    since = min(s.t for steps in traces.values() for s in steps) if since is None else since
+    inside = {r: [s for s in steps if since <= s.t < first_run] for r, steps in traces.items()}
+    inside = {r: steps for r, steps in inside.items() if steps}
+    return {**profile, "step_fit": {**fit_replicas(inside).to_json(), "replicas": sorted(inside),
+                                    "since": since, "until": first_run,
+                                    "recorded_fit": profile.get("step_fit")}}
 
 
 def cpu(args: argparse.Namespace) -> list[dict]:
     data = json.loads(Path(args.profile).read_text())
+    if args.refit_trace:
+        from pdserve.engine.step_trace import read_steps
+
+        runs = [json.loads(Path(p).read_text()) for p in args.trace_runs or args.measured]
+        data = refitted_profile(data, read_steps(args.refit_trace), runs)
+        (args.out / "profile-refitted.json").write_text(json.dumps(data, indent=1))
     if args.fit_trace:
         from pdserve.engine.step_trace import read_steps
 
         traces = read_steps(args.fit_trace)
-        runs = [json.loads(Path(p).read_text()) for p in args.measured]
-        fit_index = [str(p) for p in args.measured].index(str(args.fit_run))
-        data = fitted_on_run(data, traces, run_windows(traces, runs)[fit_index])
+        placed = [str(p) for p in args.trace_runs or args.measured]
+        windows = run_windows(traces, [json.loads(Path(p).read_text()) for p in placed])
+        data = fitted_on_runs(data, traces, [windows[placed.index(str(p))] for p in args.fit_run])
         (args.out / "profile-fitted-on-run.json").write_text(json.dumps(data, indent=1))
     profile = EngineProfile.from_json(data, name=Path(args.profile).stem)
     rows = []
@@ -112,7 +141,7 @@ def cpu(args: argparse.Namespace) -> list[dict]:
         sim = run_json(run, slo, percentiles=(50, 90, 99))
         rows.append({"run": str(path), "arm": args.arm, "rate": measured["request_rate"],
                      "metrics": compare(sim, measured),
-                     "fitted_on": bool(args.fit_trace) and str(path) == str(args.fit_run)})
+                     "fitted_on": str(path) in {str(p) for p in args.fit_run}})
     return rows
 
 
@@ -166,8 +195,17 @@ def main() -> int:
                         default="colocated")
     parser.add_argument("--measured", nargs="*", default=[])
     parser.add_argument("--fit-trace", type=Path, help="step trace dir of the measured runs")
-    parser.add_argument("--fit-run", type=Path, help="with --fit-trace: the run (one of "
-                        "--measured) whose steps the step model is refitted on")
+    parser.add_argument("--fit-run", type=Path, nargs="*", default=[],
+                        help="with --fit-trace: the runs (of --trace-runs, else of --measured) "
+                        "whose steps the step model is refitted on")
+    parser.add_argument("--refit-trace", type=Path, help="step trace dir of the profile and the "
+                        "measured runs: redo the profile's step_fit with today's fit code on the "
+                        "profile's own steps (those before the first measured run)")
+    parser.add_argument("--trace-runs", nargs="*", default=[],
+                        help="with --refit-trace or --fit-trace: every run the trace holds, "
+                        "in order, when "
+                        "--measured is a subset (the runs are placed on the trace's clock from "
+                        "its end, which is the last run's)")
     parser.add_argument("--gpu", type=Path, help="calibration JSON with a serving table")
     parser.add_argument("--gpu-prompts", type=int, default=1000)
     parser.add_argument("--out", type=Path, required=True)

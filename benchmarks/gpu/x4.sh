@@ -25,6 +25,9 @@
 #   l   issue 9's transport with direct NCCL calls (nccl_direct) against torch's ProcessGroupNCCL,
 #       each in fresh processes on GPUs 0,1, three ring settings, beside the peer copy; then the
 #       bench's per-phase pull times (direct) under torch's profiler
+#   m   issue 8's step fit with its own context term: the engine profile (its step trace now
+#       carries each step's KV) on GPU 3 beside 1P1D over NCCL at 8-20 req/s with step traces on
+#       GPUs 0,1 (the same host and hour, for the simulator's held-out comparison)
 # Steps for a two-GPU host (issue 9's missing parts, when no 4-GPU kind is lent):
 #   2a  1P1D over NCCL past its knee, 12-22 req/s, with step traces; then the transfer sweep
 #       (ring settings, torch's NCCL flight recorder off) with both ends' pull phases
@@ -43,7 +46,7 @@
 # Each stream's console goes to $OUT/STEP-STREAM.log; everything is packed into $OUT/STEP.tar.
 # Rates are total req/s; an arm stops after the first rate where no TPOT target reaches 50%.
 set -uo pipefail
-model=${1:?usage: x4.sh MODEL_DIR STEP}; step=${2:?step a to l or 2a to 2e}
+model=${1:?usage: x4.sh MODEL_DIR STEP}; step=${2:?step a to m or 2a to 2e}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH=/tmp/site2:/tmp/site:$PWD
@@ -147,6 +150,11 @@ case $step in
         --variant-timeout-s 200 --out $out/sweep-api.json
       python3 benchmarks/transfer_bench.py --device cuda --sizes-mib 256,1024 --repeats 20 \
         --transports nccl --torch-profile $out/transfer-profile --out $out/transfer.json" ;;
+  m)
+    export PROOF_STEP_TRACE=$out
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      CUDA_VISIBLE_DEVICES=0,1 PROOF_BUDGET_S=330 proof arm:disagg:8,12,16,20"
+    stream y bash -c "$(declare -f proof); here=$here model=$model; PROFILE_GPU=3 proof profile" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
 wait

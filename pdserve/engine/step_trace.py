@@ -13,7 +13,7 @@ less half a block per running request for the partly filled last blocks).
 `fit_steps` turns a trace into the simulator's step model (pdserve.sim.engine_profile):
 
     step_s = decode_step_s + decode_step_per_seq_s * decode_reqs + prefill_tokens / prefill_tokens_per_s
-           + decode_ctx_s_per_token * context_tokens
+           + decode_ctx_s_per_token * the step before's context_tokens (the KV the step reads)
 
 fitted by least squares to step *periods*: the time between one step's outputs and the next's.
 A period counts only when the engine cannot have idled in between: the step before left requests
@@ -27,9 +27,10 @@ steps to fit its prefill rate on.
 
 The context term is fitted only where the trace can tell it from the per-request term: where
 every request holds about the same context, context tokens are a multiple of the batch and the
-two columns are one. So it is fitted when the context per decoding request varies (coefficient of
-variation >= `min_context_cv`) and comes out positive; otherwise `decode_ctx_s_per_token` is None
-and the per-request slope carries the trace's average context, as before.
+two columns are one. So it is fitted when the context per decoding request varies (its 10th to
+90th percentile span is at least `min_context_spread` of its median) and comes out positive;
+otherwise `decode_ctx_s_per_token` is None and the per-request slope carries the trace's average
+context, as before.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class StepFit:
     mixed_steps: int  # of which also prefilled
     residual_p50_s: float  # median |period - fit|
     decode_ctx_s_per_token: float | None = None  # None: the trace cannot tell it (module doc)
-    context_cv: float | None = None  # spread of context per decoding request; None: unknown
+    context_spread: float | None = None  # (p90 - p10) / p50 of context per decoding request
 
     def to_json(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -137,7 +138,8 @@ def step_periods(steps: Iterable[Step]) -> list[tuple[Step, float]]:
 
 
 def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10, min_mixed_steps: int = 5,
-              decode_only: Iterable[list[Step]] = (), min_context_cv: float = 0.25) -> StepFit:
+              decode_only: Iterable[list[Step]] = (), min_context_spread: float = 0.5
+              ) -> StepFit:
     """Least-squares step model over the periods of every trace (see the module docstring).
 
     `decode_only` traces contribute only their steps that prefilled nothing: a disaggregated
@@ -148,18 +150,21 @@ def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10, min_mixed_steps
     context term: see the module docstring.
     """
     traces = [list(t) for t in traces]
-    rows = [_row(s, p) for trace in traces for s, p in step_periods(trace)]
-    rows += [_row(s, s.busy_s) for trace in traces for s in _timed_alone(trace)]
-    rows += [_row(s, p) for trace in decode_only for s, p in step_periods(trace)
-             if s.prefill_tokens == 0]
+    rows = [row for trace in traces for row in _rows(trace)]
+    rows += [row for trace in decode_only for row in _rows(trace, timed_alone=False)
+             if row[1] == 0]
     if len(rows) < min_steps:
         raise ValueError(f"{len(rows)} usable step periods in the trace, need {min_steps}: "
                          "run some load with several requests decoding at once")
     data = np.asarray(rows, dtype=float)  # decode_reqs, prefill_tokens, context (nan), period
     mixed = int((data[:, 1] > 0).sum())
     columns = [0, 1] if mixed >= min_mixed_steps else [0]
-    cv = _context_cv(data)
-    fits = [columns + [2]] if cv is not None and cv >= min_context_cv else []
+    # The context column counts on decode-only steps: a prefill chunk's attention over the
+    # prompt's earlier chunks is not the decode batch's context read, and a step's held KV
+    # does not tell the two apart.
+    data[data[:, 1] > 0, 2] = 0.0
+    spread = _context_spread(data)
+    fits = [columns + [2]] if spread is not None and spread >= min_context_spread else []
     for cols in [*fits, columns]:
         coef, x, y = _robust_fit(data, cols, min_steps)
         if 2 not in cols or coef[-1] > 0:
@@ -173,34 +178,44 @@ def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10, min_mixed_steps
         mixed_steps=int((x[:, cols.index(1) + 1] > 0).sum()) if 1 in cols else 0,
         residual_p50_s=float(np.median(np.abs(y - x @ coef))),
         decode_ctx_s_per_token=float(coef[-1]) if 2 in cols else None,
-        context_cv=None if cv is None else round(cv, 4),
+        context_spread=None if spread is None else round(spread, 4),
     )
 
 
-def _row(step: Step, seconds: float) -> tuple[float, float, float, float]:
-    context = np.nan if step.context_tokens is None else step.context_tokens
-    return step.decode_reqs, step.prefill_tokens, context, seconds
+def _rows(trace: list[Step], timed_alone: bool = True) -> list[tuple[float, ...]]:
+    """(decode_reqs, prefill_tokens, context, seconds) per usable step of one engine's trace:
+    every step with a period, and (`timed_alone`) every prefill-only step without one that the
+    engine timed itself (`busy_s`). The context a step reads is the KV held when it started, the
+    step before's `context_tokens` (a step's own includes the prompts it just prefilled); nan
+    where unknown."""
+    periods = {id(s): p for s, p in step_periods(trace)}
+    rows = []
+    for previous, step in zip([None, *trace], trace, strict=False):
+        seconds = periods.get(id(step))
+        if seconds is None and timed_alone and step.busy_s and step.prefill_tokens > 0 \
+                and step.decode_reqs == 0:
+            seconds = step.busy_s
+        if seconds is None:
+            continue
+        if previous is None:  # the trace's first step: taken as starting from empty KV
+            context = np.nan if step.context_tokens is None else 0
+        else:
+            context = np.nan if previous.context_tokens is None else previous.context_tokens
+        rows.append((step.decode_reqs, step.prefill_tokens, context, seconds))
+    return rows
 
 
-def _timed_alone(trace: list[Step]) -> list[Step]:
-    """Prefill-only steps without a period (the engine may have idled before them) that the
-    engine timed itself."""
-    with_period = {id(s) for s, _ in step_periods(trace)}
-    return [s for s in trace if id(s) not in with_period and s.busy_s
-            and s.prefill_tokens > 0 and s.decode_reqs == 0]
-
-
-def _context_cv(data: np.ndarray) -> float | None:
-    """Coefficient of variation of the context per decoding request, over the rows that decoded;
-    None unless every row knows its context."""
+def _context_spread(data: np.ndarray) -> float | None:
+    """(p90 - p10) / p50 of the context per decoding request, over the rows that decoded (a
+    percentile span: the steps where the batch changes read another batch's context); None
+    unless every row knows its context."""
     if np.isnan(data[:, 2]).any():
         return None
     decoding = data[:, 0] > 0
     if decoding.sum() < 2:
         return None
-    per_request = data[decoding, 2] / data[decoding, 0]
-    mean = float(per_request.mean())
-    return float(per_request.std() / mean) if mean > 0 else None
+    p10, p50, p90 = np.percentile(data[decoding, 2] / data[decoding, 0], [10, 50, 90])
+    return float((p90 - p10) / p50) if p50 > 0 else None
 
 
 def _robust_fit(data: np.ndarray, columns: list[int], min_steps: int

@@ -197,11 +197,12 @@ async def _mixed(client: OpenAIStreamClient, rng: np.random.Generator, prompt_le
 
 def step_fit(trace_dir: Path, since: float) -> dict[str, Any]:
     """`step_fit` of the profile: the step model of every trace in `trace_dir` since `since`
-    (the decode engines of a disaggregated service count with their decode-only steps)."""
+    (the decode engines of a disaggregated service count with their decode-only steps). `since`
+    (the engines' monotonic clock) is kept, so the fit can be redone on the same steps."""
     from pdserve.engine.step_trace import fit_replicas, read_steps
 
     traces = read_steps(trace_dir, since)
-    return {**fit_replicas(traces).to_json(), "replicas": sorted(traces)}
+    return {**fit_replicas(traces).to_json(), "replicas": sorted(traces), "since": since}
 
 
 def slope_rate(singles_ms: dict[str, float]) -> dict[str, float]:

@@ -95,18 +95,21 @@ def test_without_prefilling_steps_the_fit_is_decode_only():
 C = 2e-5  # seconds per context token per step, of the engine below
 
 
-def context_trace(seed: int = 0, steps: int = 300, short: int = 16, long: int = 2048
-                  ) -> list[Step]:
-    """Decode steps of an engine whose step also pays for its context; each run of steps holds
-    a batch of short- or long-context requests, as the profile's context phase does."""
+def context_trace(seed: int = 0, runs: int = 15, short: int = 16, long: int = 2048,
+                  cost: float = C) -> list[Step]:
+    """Decode steps of an engine whose step also pays for the context it reads. Runs of 20 steps
+    hold one batch of short- or long-context requests, as the profile's context phase does; each
+    step adds a token per request to the KV held after it."""
     rng = random.Random(seed)
     t, trace = 0.0, []
-    for i in range(steps):
+    for r in range(runs):
         batch = rng.randint(1, 32)
-        per_request = (short if (i // 20) % 2 else long) + rng.randint(0, 32)
-        context = batch * per_request
-        t += (A + B * batch + C * context) * rng.uniform(0.98, 1.02)
-        trace.append(Step(t, 0, 0, batch, pending=batch, context_tokens=context))
+        per_request = (short if r % 2 else long) + rng.randint(0, 32)
+        for j in range(20):
+            reads = batch * (per_request + j)
+            t += (A + B * batch + cost * reads) * rng.uniform(0.98, 1.02)
+            held = reads + batch
+            trace.append(Step(t, 0, 0, batch, pending=batch, context_tokens=held))
     return trace
 
 
@@ -115,29 +118,40 @@ def test_the_fit_takes_a_context_term_where_the_trace_can_tell_it():
     assert fit.decode_ctx_s_per_token == pytest.approx(C, rel=0.05)
     assert fit.decode_step_s == pytest.approx(A, rel=0.1)
     assert fit.decode_step_per_seq_s == pytest.approx(B, rel=0.1)
-    assert fit.context_cv > 0.25
+    assert fit.context_spread > 0.5
+
+
+def test_the_context_term_comes_from_decode_steps_only():
+    # Chunked prefills of long prompts: each chunk step runs after a step that held a lot of KV
+    # (the prompt's earlier chunks) but costs its tokens, not a decode batch's context read.
+    trace, t = [], 0.0
+    for step in context_trace():
+        trace.append(Step(step.t + t, 0, 0, step.decode_reqs, pending=step.decode_reqs,
+                          context_tokens=step.context_tokens))
+        if len(trace) % 10 == 0:  # a 2048-token chunk alone, over 30k tokens of held KV
+            t += A + 2048 / RATE
+            trace.append(Step(step.t + t, 2048, 1, 0, pending=1, context_tokens=30_000))
+    fit = fit_steps([trace])
+    assert fit.decode_ctx_s_per_token == pytest.approx(C, rel=0.05)
+    assert fit.prefill_tokens_per_s == pytest.approx(RATE, rel=0.05)
 
 
 def test_where_every_request_holds_the_same_context_the_slope_carries_it():
     # Context 300 per request at every step: context is 300 x batch, one column with the batch.
     trace = context_trace(short=300, long=300)
     fit = fit_steps([trace])
-    assert fit.decode_ctx_s_per_token is None and fit.context_cv < 0.25
-    assert fit.decode_step_per_seq_s == pytest.approx(B + C * 316, rel=0.05)
+    assert fit.decode_ctx_s_per_token is None and fit.context_spread < 0.5
+    assert fit.decode_step_per_seq_s == pytest.approx(B + C * 326, rel=0.05)
     # Without context in the trace (vLLM gave no KV usage) the fit is the same, without a cv.
     bare = [Step(s.t, 0, 0, s.decode_reqs, pending=s.pending) for s in trace]
-    assert fit_steps([bare]).decode_ctx_s_per_token is None and fit_steps([bare]).context_cv is None
+    assert fit_steps([bare]).decode_ctx_s_per_token is None and fit_steps([bare]).context_spread is None
 
 
 def test_a_negative_context_term_is_not_kept():
     # Longer contexts that ran *faster* (noise, another process): no context term, not a
     # negative one that would make long contexts free.
-    trace = [Step(s.t, 0, 0, s.decode_reqs, pending=s.pending,
-                  context_tokens=s.decode_reqs * (2064 if s.context_tokens < 400 * s.decode_reqs
-                                                  else 16))
-             for s in context_trace()]
-    fit = fit_steps([trace])
-    assert fit.decode_ctx_s_per_token is None and fit.context_cv > 0.25
+    fit = fit_steps([context_trace(cost=-4e-7)])
+    assert fit.decode_ctx_s_per_token is None and fit.context_spread > 0.5
 
 
 def test_lone_prefills_count_with_the_engines_own_timing():

@@ -1,0 +1,58 @@
+"""Redo a recorded profile's `step_fit` with today's fit code, on the profile's own step trace.
+
+A profile keeps the step model its recording code fitted. When the fit changes (2026-11-27: a
+context term of its own, lone prefills timed by the engine, see pdserve.engine.step_trace), a
+profile recorded earlier can be refitted from its trace instead of measured again. Only steps
+since the profile's recorded `since` count (all steps where it has none: a profile server that
+ran nothing else); the old fit is kept under `recorded_fit`.
+
+    .venv/bin/python benchmarks/sim_refit_profile.py --profile P/profile.json \\
+        --trace P/profile-steps.tar.xz --out P/profile-refit.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.engine.step_trace import fit_replicas, read_steps  # noqa: E402
+
+
+def refit(profile: dict, trace: Path) -> dict:
+    old = profile.get("step_fit") or {}
+    since = old.get("since", 0.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        if trace.is_file():  # a packed trace (proof.sh's profile-steps.tar.xz)
+            with tarfile.open(trace) as tar:
+                tar.extractall(tmp, filter="data")
+            trace = Path(tmp)
+            trace = next(p.parent for p in trace.rglob("*.steps.jsonl"))
+        traces = read_steps(trace, since)
+    fit = {**fit_replicas(traces).to_json(), "replicas": sorted(traces), "since": since}
+    return {**profile, "step_fit": {**fit, "recorded_fit": old}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", type=Path, required=True)
+    parser.add_argument("--trace", type=Path, required=True,
+                        help="the profile's step trace: a directory or a .tar.xz of one")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    data = refit(json.loads(args.profile.read_text()), args.trace)
+    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    fit = data["step_fit"]
+    print(f"{args.out}: step {fit['decode_step_s'] * 1e3:.3f} ms + {fit['decode_step_per_seq_s'] * 1e3:.4f}"
+          f" ms/request, prefill {fit['prefill_tokens_per_s']} tok/s, context "
+          f"{fit['decode_ctx_s_per_token']} s/token (spread {fit['context_spread']}), {fit['steps']} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
