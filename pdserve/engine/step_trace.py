@@ -116,6 +116,9 @@ class StepFit:
     residual_p50_s: float  # median |period - fit|
     decode_ctx_s_per_token: float | None = None  # None: the trace cannot tell it (module doc)
     context_spread: float | None = None  # (p90 - p10) / p50 of context per decoding request
+    # prompt tokens -> median engine time (busy_s) of a one-prompt prefill-only step of that
+    # length: with a profile's lone-request TTFTs it gives the response path (PerfModel)
+    lone_prefill_s: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -179,7 +182,20 @@ def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10, min_mixed_steps
         residual_p50_s=float(np.median(np.abs(y - x @ coef))),
         decode_ctx_s_per_token=float(coef[-1]) if 2 in cols else None,
         context_spread=None if spread is None else round(spread, 4),
+        lone_prefill_s=lone_prefills(traces) or None,
     )
+
+
+def lone_prefills(traces: Iterable[list[Step]]) -> dict[str, float]:
+    """Prompt tokens -> the median of the engine's own time (`busy_s`) for a step that
+    prefilled that one prompt and nothing else; lengths without such a timed step are left
+    out."""
+    times: dict[int, list[float]] = {}
+    for trace in traces:
+        for s in trace:
+            if s.busy_s and s.prefill_reqs == 1 and s.decode_reqs == 0 and s.prefill_tokens > 0:
+                times.setdefault(s.prefill_tokens, []).append(s.busy_s)
+    return {str(k): float(np.median(v)) for k, v in sorted(times.items())}
 
 
 def _rows(trace: list[Step], timed_alone: bool = True) -> list[tuple[float, ...]]:

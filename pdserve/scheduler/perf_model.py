@@ -78,13 +78,23 @@ class PerfModel:
         `links_h100_pair` at 128 MiB, else 50 GB/s). A `step_fit` section (the step model fitted
         to an engine's own step trace, pdserve.engine.step_trace) replaces the decode line and,
         where it has one, the prefill rate: it times the engine's steps rather than the gaps a
-        client sees.
+        client sees. Where it also timed the profile's lone prefills (`lone_prefill_s`), the
+        fixed prefill cost is its step cost plus the response path: the lone TTFTs less the
+        engine's own time for them.
         """
         step_fit = data.get("step_fit") or {}
         rate = step_fit.get("prefill_tokens_per_s") or _median_rate(data["prefill_tokens_per_s"])
         overhead = 0.0
         singles = data.get("ttft_single_ms") or {}
-        if singles:
+        lone = {k: v for k, v in (step_fit.get("lone_prefill_s") or {}).items() if k in singles}
+        if lone:
+            # The engine timed the same lone prefills: what the client saw beyond that is the
+            # response path, added to the fitted step (a step's fixed cost plus tokens / rate).
+            # Unlike the affine fit below it is not skewed where prefill time is not affine in
+            # the prompt (CPU engines: first-shape costs, short prompts).
+            gaps = [singles[k] / 1000 - s for k, s in lone.items()]
+            overhead = step_fit["decode_step_s"] + max(0.0, sum(gaps) / len(gaps))
+        elif singles:
             # A single request's TTFT = overhead + tokens / rate; average over the measured sizes.
             gaps = [ms / 1000 - int(tokens) / rate for tokens, ms in singles.items()]
             overhead = max(0.0, sum(gaps) / len(gaps))

@@ -122,18 +122,21 @@ def test_the_fit_takes_a_context_term_where_the_trace_can_tell_it():
 
 
 def test_the_context_term_comes_from_decode_steps_only():
-    # Chunked prefills of long prompts: each chunk step runs after a step that held a lot of KV
-    # (the prompt's earlier chunks) but costs its tokens, not a decode batch's context read.
+    # Prefill chunks between decode steps, over the decode batch's held KV: a chunk step costs
+    # its tokens, not a read of that context (counted there, the context term would come out
+    # low, and the prefill rate wrong).
     trace, t = [], 0.0
     for step in context_trace():
         trace.append(Step(step.t + t, 0, 0, step.decode_reqs, pending=step.decode_reqs,
                           context_tokens=step.context_tokens))
-        if len(trace) % 10 == 0:  # a 2048-token chunk alone, over 30k tokens of held KV
+        if len(trace) % 10 == 0:
             t += A + 2048 / RATE
-            trace.append(Step(step.t + t, 2048, 1, 0, pending=1, context_tokens=30_000))
+            trace.append(Step(step.t + t, 2048, 1, 0, pending=step.decode_reqs,
+                              context_tokens=step.context_tokens))
     fit = fit_steps([trace])
     assert fit.decode_ctx_s_per_token == pytest.approx(C, rel=0.05)
     assert fit.prefill_tokens_per_s == pytest.approx(RATE, rel=0.05)
+    assert fit.mixed_steps > 20
 
 
 def test_where_every_request_holds_the_same_context_the_slope_carries_it():
@@ -230,6 +233,28 @@ def test_a_step_fit_in_a_profile_replaces_the_client_timed_lines():
     assert stepped.prefill_overhead_s == pytest.approx(0.40)
     no_rate = PerfModel.from_calibration({**profile, "step_fit": {**fit, "prefill_tokens_per_s": None}})
     assert no_rate.prefill_tokens_per_s == 400.0 and no_rate.decode_step_s == 0.07
+
+
+def test_the_response_path_is_the_lone_ttft_less_the_engines_own_prefill_time():
+    # A CPU engine whose short prompts cost more than the affine fit says (first-shape costs):
+    # the client saw each lone prefill 40 ms after the engine finished it.
+    profile = {"prefill_tokens_per_s": {"ttft_slope": 400.0},
+               "ttft_single_ms": {"32": 240.0, "128": 540.0, "256": 690.0, "512": 1290.0},
+               "tpot_ms_by_batch": {"1": 100.0}}
+    lone = {"32": 0.200, "128": 0.500, "256": 0.650, "512": 1.250}
+    fit = {"decode_step_s": 0.05, "decode_step_per_seq_s": 0.004, "prefill_tokens_per_s": 420.0,
+           "lone_prefill_s": {**lone, "16": 0.1}}  # 16: no lone TTFT measured, unused
+    model = PerfModel.from_calibration({**profile, "step_fit": fit})
+    assert model.prefill_overhead_s == pytest.approx(0.05 + 0.040)
+    # The affine rule instead charges every prompt the short prompts' excess.
+    affine = PerfModel.from_calibration({**profile, "step_fit": {**fit, "lone_prefill_s": None}})
+    assert affine.prefill_overhead_s > model.prefill_overhead_s + 0.04
+    # From a trace: the median busy time of steps that prefilled one prompt alone.
+    trace = [Step(1.0, 256, 1, 0, busy_s=0.6), Step(5.0, 256, 1, 0, busy_s=0.7),
+             Step(9.0, 256, 1, 0, busy_s=0.65), Step(9.5, 256, 2, 0, busy_s=1.2),
+             Step(9.9, 32, 1, 3, busy_s=0.3)]
+    from pdserve.engine.step_trace import lone_prefills
+    assert lone_prefills([trace]) == {"256": 0.65}
 
 
 def test_vllm_stats_become_trace_lines():
