@@ -30,6 +30,7 @@ from pdserve.bench.workloads import BenchRequest
 _DEFAULT_TIMEOUT_S = 6 * 60 * 60
 # Error bodies can be whole HTML pages; keep enough to recognise the failure.
 _MAX_ERROR_CHARS = 500
+KEEPALIVE_S = 3.0  # idle pooled connections close after this, under servers' usual 5 s
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,8 +239,12 @@ class OpenAIStreamClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> OpenAIStreamClient:
+        # Idle connections are dropped before the server's keep-alive can close them (uvicorn,
+        # and so vLLM's server, closes after 5 s): reusing one the server is closing fails the
+        # request with "Server disconnected" (seen on a GPU profile, 2026-11-27).
         connector = aiohttp.TCPConnector(
-            limit=self._max_connections, limit_per_host=self._max_connections, keepalive_timeout=60
+            limit=self._max_connections, limit_per_host=self._max_connections,
+            keepalive_timeout=KEEPALIVE_S,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,

@@ -285,6 +285,11 @@ class ApiConfig(_Section):
         None, ge=1, description="max_tokens when a request omits it; default: the context left."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    keep_alive_s: int = Field(
+        75, ge=1, description="Seconds an idle client connection stays open. Longer than the idle "
+        "timeout of whatever reuses connections in front (load balancers: 60 s): a connection the "
+        "server closes just as a client reuses it fails that request ('Server disconnected').",
+    )
 
 
 class RayConfig(_Section):

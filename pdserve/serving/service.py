@@ -46,7 +46,8 @@ async def serve(config: PdserveConfig) -> None:
                         config.api.default_max_tokens, metrics)
         server = uvicorn.Server(uvicorn.Config(
             app, host=config.api.host, port=config.api.port, log_level=config.api.log_level,
-            loop="none", lifespan="on", timeout_graceful_shutdown=5))
+            loop="none", lifespan="on", timeout_graceful_shutdown=5,
+            timeout_keep_alive=config.api.keep_alive_s))
         announcer = asyncio.create_task(_announce_when_ready(server, config, model, started))
         try:
             await server.serve()
