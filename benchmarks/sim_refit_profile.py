@@ -4,7 +4,8 @@ A profile keeps the step model its recording code fitted. When the fit changes (
 context term of its own, lone prefills timed by the engine, see pdserve.engine.step_trace), a
 profile recorded earlier can be refitted from its trace instead of measured again. Only steps
 since the profile's recorded `since` count (all steps where it has none: a profile server that
-ran nothing else); the old fit is kept under `recorded_fit`.
+ran nothing else), or from `--since` to `--until` (the trace's clock), for instance a stretch of
+serving traffic; the old fit is kept under `recorded_fit`.
 
     .venv/bin/python benchmarks/sim_refit_profile.py --profile P/profile.json \\
         --trace P/profile-steps.tar.xz --out P/profile-refit.json
@@ -24,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdserve.engine.step_trace import fit_replicas, read_steps  # noqa: E402
 
 
-def refit(profile: dict, trace: Path) -> dict:
+def refit(profile: dict, trace: Path, since: float | None = None,
+          until: float | None = None) -> dict:
     old = profile.get("step_fit") or {}
-    since = old.get("since", 0.0)
+    since = old.get("since", 0.0) if since is None else since
     with tempfile.TemporaryDirectory() as tmp:
         if trace.is_file():  # a packed trace (proof.sh's profile-steps.tar.xz)
             with tarfile.open(trace) as tar:
@@ -34,7 +36,11 @@ def refit(profile: dict, trace: Path) -> dict:
             trace = Path(tmp)
             trace = next(p.parent for p in trace.rglob("*.steps.jsonl"))
         traces = read_steps(trace, since)
-    fit = {**fit_replicas(traces).to_json(), "replicas": sorted(traces), "since": since}
+    if until is not None:
+        traces = {r: [s for s in steps if s.t <= until] for r, steps in traces.items()}
+        traces = {r: steps for r, steps in traces.items() if steps}
+    fit = {**fit_replicas(traces).to_json(), "replicas": sorted(traces), "since": since,
+           **({"until": until} if until is not None else {})}
     return {**profile, "step_fit": {**fit, "recorded_fit": old}}
 
 
@@ -43,9 +49,12 @@ def main() -> int:
     parser.add_argument("--profile", type=Path, required=True)
     parser.add_argument("--trace", type=Path, required=True,
                         help="the profile's step trace: a directory or a .tar.xz of one")
+    parser.add_argument("--since", type=float, help="first step's time (the engines' monotonic "
+                        "clock, as the trace's `t`); default: the profile's own `since`, else all")
+    parser.add_argument("--until", type=float, help="last step's time; default: the trace's end")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    data = refit(json.loads(args.profile.read_text()), args.trace)
+    data = refit(json.loads(args.profile.read_text()), args.trace, args.since, args.until)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     fit = data["step_fit"]
     print(f"{args.out}: step {fit['decode_step_s'] * 1e3:.3f} ms + {fit['decode_step_per_seq_s'] * 1e3:.4f}"

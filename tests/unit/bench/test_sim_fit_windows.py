@@ -1,0 +1,77 @@
+"""benchmarks/sim_validate.py and sim_refit_profile.py: which steps a refitted step model sees
+(the profile's own, one repeat's runs, a window of the trace)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.engine.step_trace import Step, StepTraceWriter
+
+pytestmark = pytest.mark.unit
+
+_BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+validate = _load("sim_validate")
+refit_script = _load("sim_refit_profile")
+
+
+def engine(step_s: float, t0: float, steps: int, batch: int = 4) -> list[Step]:
+    """Back-to-back decode steps of `step_s` each from `t0`."""
+    return [Step(t0 + step_s * (i + 1), 0, 0, batch, pending=batch) for i in range(steps)]
+
+
+def write_trace(directory: Path, steps: list[Step]) -> Path:
+    writer = StepTraceWriter(directory, "colocated-0")
+    for s in steps:
+        writer.record(s)
+    writer.close()
+    return directory
+
+
+def test_runs_are_placed_on_the_trace_clock_and_fitted_alone(tmp_path):
+    # A quiet profile (10 ms steps, t 0-2 s), then two runs under load: 20 ms steps from
+    # t=100 s for 10 s and 30 ms steps from t=200 s for 10 s. Wall-clock starts 100 s apart.
+    steps = engine(0.010, 0.0, 200) + engine(0.020, 100.0, 500) + engine(0.030, 200.0, 333)
+    traces = {"colocated-0": steps}
+    runs = [{"date": "20261127-110000", "duration": 10.0},
+            {"date": "20261127-110140", "duration": 10.0}]
+    windows = validate.run_windows(traces, runs)
+    assert windows[1][1] == pytest.approx(210.0, abs=1.1)
+    assert windows[0][0] == pytest.approx(99.0, abs=1.1)
+    first = validate.fitted_on_runs({}, traces, [windows[0]])["step_fit"]
+    assert first["decode_step_s"] + 4 * first["decode_step_per_seq_s"] == pytest.approx(0.020)
+    second = validate.fitted_on_runs({}, traces, [windows[1]])["step_fit"]
+    assert second["decode_step_s"] + 4 * second["decode_step_per_seq_s"] == pytest.approx(0.030)
+    # The profile's own steps: everything before the first run.
+    own = validate.refitted_profile({"step_fit": {"since": 0.0}}, traces, runs)["step_fit"]
+    assert own["decode_step_s"] + 4 * own["decode_step_per_seq_s"] == pytest.approx(0.010)
+    assert own["recorded_fit"] == {"since": 0.0}
+
+
+def test_a_profile_is_refitted_on_its_recorded_steps_or_a_given_window(tmp_path):
+    trace = write_trace(tmp_path / "steps", engine(0.010, 0.0, 200) + engine(0.030, 100.0, 200))
+    profile = {"step_fit": {"decode_step_s": 1.0, "since": 50.0}}
+    later = refit_script.refit(profile, trace)["step_fit"]
+    assert later["decode_step_s"] + 4 * later["decode_step_per_seq_s"] == pytest.approx(0.030)
+    assert later["recorded_fit"] == profile["step_fit"]
+    early = refit_script.refit(profile, trace, since=0.0, until=10.0)["step_fit"]
+    assert early["decode_step_s"] + 4 * early["decode_step_per_seq_s"] == pytest.approx(0.010)
+    # A packed trace (proof.sh's profile-steps.tar.xz) reads the same.
+    import tarfile
+    packed = tmp_path / "profile-steps.tar.xz"
+    with tarfile.open(packed, "w:xz") as tar:
+        tar.add(trace, arcname="steps")
+    assert refit_script.refit(profile, packed)["step_fit"]["steps"] == later["steps"]
+    json.dumps(later)  # what the script writes
