@@ -222,12 +222,12 @@ def _rows(trace: list[Step], timed_alone: bool = True) -> list[tuple[float, ...]
 
 
 def _context_spread(data: np.ndarray) -> float | None:
-    """(p90 - p10) / p50 of the context per decoding request, over the rows that decoded (a
-    percentile span: the steps where the batch changes read another batch's context); None
-    unless every row knows its context."""
+    """(p90 - p10) / p50 of the context per decoding request, over the decode-only rows (those
+    the context column counts on; a percentile span: the steps where the batch changes read
+    another batch's context); None unless every row knows its context."""
     if np.isnan(data[:, 2]).any():
         return None
-    decoding = data[:, 0] > 0
+    decoding = (data[:, 0] > 0) & (data[:, 1] == 0)  # the steps the context column counts on
     if decoding.sum() < 2:
         return None
     p10, p50, p90 = np.percentile(data[decoding, 2] / data[decoding, 0], [10, 50, 90])

@@ -145,7 +145,13 @@ def test_where_every_request_holds_the_same_context_the_slope_carries_it():
     fit = fit_steps([trace])
     assert fit.decode_ctx_s_per_token is None and fit.context_spread < 0.5
     assert fit.decode_step_per_seq_s == pytest.approx(B + C * 326, rel=0.05)
-    # Without context in the trace (vLLM gave no KV usage) the fit is the same, without a cv.
+    # Mixed steps (decodes plus a prompt's chunk) do not count in the span: their context
+    # column is not the batch's, and they would make one context look like many.
+    mixed = [Step(s.t, 256 if i % 4 == 0 else 0, int(i % 4 == 0), s.decode_reqs, pending=s.pending,
+                  context_tokens=s.context_tokens) for i, s in enumerate(trace)]
+    assert fit_steps([mixed]).decode_ctx_s_per_token is None
+    assert fit_steps([mixed]).context_spread < 0.5
+    # Without context in the trace (vLLM gave no KV usage) the fit is the same, without a span.
     bare = [Step(s.t, 0, 0, s.decode_reqs, pending=s.pending) for s in trace]
     assert fit_steps([bare]).decode_ctx_s_per_token is None and fit_steps([bare]).context_spread is None
 
