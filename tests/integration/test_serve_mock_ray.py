@@ -100,15 +100,21 @@ def test_an_idle_connection_outlives_the_usual_client_keep_alive(server):
     """The server keeps an idle connection open for `api.keep_alive_s` (75 s), longer than the
     5 s uvicorn defaults to: a client or load balancer that reuses a pooled connection after a
     few idle seconds must not find it closed under it ("Server disconnected")."""
-    import socket
+    import http.client
     import time
     from urllib.parse import urlsplit
 
     url = urlsplit(server.base_url)
-    request = (f"GET /health HTTP/1.1\r\nHost: {url.hostname}\r\n\r\n").encode()
-    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
-        sock.sendall(request)
-        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        assert first.status == 200 and first.read()
+        sock = conn.sock
         time.sleep(6.5)  # past uvicorn's default 5 s keep-alive
-        sock.sendall(request)  # the same connection, reused
-        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        conn.request("GET", "/health")  # on the same socket: a closed one raises here or below
+        second = conn.getresponse()
+        assert second.status == 200 and second.read()
+        assert conn.sock is sock
+    finally:
+        conn.close()
