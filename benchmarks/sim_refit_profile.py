@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.engine.step_trace import fit_replicas, read_steps  # noqa: E402
+from pdserve.engine.step_trace import read_steps  # noqa: E402
+from pdserve.sim.profile import step_fit_of  # noqa: E402
 
 
 def refit(profile: dict, trace: Path, since: float | None = None,
@@ -36,12 +37,7 @@ def refit(profile: dict, trace: Path, since: float | None = None,
             trace = Path(tmp)
             trace = next(p.parent for p in trace.rglob("*.steps.jsonl"))
         traces = read_steps(trace, since)
-    if until is not None:
-        traces = {r: [s for s in steps if s.t <= until] for r, steps in traces.items()}
-        traces = {r: steps for r, steps in traces.items() if steps}
-    fit = {**fit_replicas(traces).to_json(), "replicas": sorted(traces), "since": since,
-           **({"until": until} if until is not None else {})}
-    return {**profile, "step_fit": {**fit, "recorded_fit": old}}
+    return {**profile, "step_fit": {**step_fit_of(traces, since, until), "recorded_fit": old}}
 
 
 def main() -> int:

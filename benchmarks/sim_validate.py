@@ -104,15 +104,12 @@ def fitted_on_runs(profile: dict, traces: dict[str, list], windows: list[tuple[f
 def refitted_profile(profile: dict, traces: dict[str, list], runs: list[dict]) -> dict:
     """The profile with its step_fit redone by today's fit on the profile's own steps: from its
     recorded `since` (else the trace's first step) to the first measured run's start."""
-    from pdserve.engine.step_trace import fit_replicas
+    from pdserve.sim.profile import step_fit_of
 
     first_run = min(start for start, _ in run_windows(traces, runs))
     since = (profile.get("step_fit") or {}).get("since")
     since = min(s.t for steps in traces.values() for s in steps) if since is None else since
-    inside = {r: [s for s in steps if since <= s.t < first_run] for r, steps in traces.items()}
-    inside = {r: steps for r, steps in inside.items() if steps}
-    return {**profile, "step_fit": {**fit_replicas(inside).to_json(), "replicas": sorted(inside),
-                                    "since": since, "until": first_run,
+    return {**profile, "step_fit": {**step_fit_of(traces, since, first_run),
                                     "recorded_fit": profile.get("step_fit")}}
 
 

@@ -199,10 +199,23 @@ def step_fit(trace_dir: Path, since: float) -> dict[str, Any]:
     """`step_fit` of the profile: the step model of every trace in `trace_dir` since `since`
     (the decode engines of a disaggregated service count with their decode-only steps). `since`
     (the engines' monotonic clock) is kept, so the fit can be redone on the same steps."""
-    from pdserve.engine.step_trace import fit_replicas, read_steps
+    from pdserve.engine.step_trace import read_steps
 
-    traces = read_steps(trace_dir, since)
-    return {**fit_replicas(traces).to_json(), "replicas": sorted(traces), "since": since}
+    return step_fit_of(read_steps(trace_dir, since), since)
+
+
+def step_fit_of(traces: dict[str, list], since: float, until: float | None = None
+                ) -> dict[str, Any]:
+    """`step_fit` from read traces (replica id -> steps), on the steps from `since` to `until`
+    (the engines' monotonic clock; None: the trace's end); both are kept in the section, with
+    the replicas that had steps there."""
+    from pdserve.engine.step_trace import fit_replicas
+
+    inside = {r: [s for s in steps if since <= s.t and (until is None or s.t <= until)]
+              for r, steps in traces.items()}
+    inside = {r: steps for r, steps in inside.items() if steps}
+    return {**fit_replicas(inside).to_json(), "replicas": sorted(inside), "since": since,
+            **({"until": until} if until is not None else {})}
 
 
 def slope_rate(singles_ms: dict[str, float]) -> dict[str, float]:
