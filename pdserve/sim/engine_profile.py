@@ -17,6 +17,8 @@ left out, since the fitted per-request slope already carries the trace's average
 step costs `decode_step_s + tokens / rate`. A single request's measured TTFT is that plus the
 response path (HTTP, the frontend, streaming), which does not occupy the engine:
 `response_s = max(0, prefill_overhead_s - decode_step_s)` is added to every token a client sees.
+The first tokens of a step that decoded also wait `release_delay_s` when the next step prefills
+(vLLM's async scheduling: pdserve.engine.step_trace).
 KV capacity is `num_kv_blocks` of `block_size` tokens; a request reserves its whole
 prompt + output on admission (the router's `blocks_needed` rule). A KV pull takes the PerfModel's
 `transfer_s(prompt tokens)`.
@@ -42,6 +44,7 @@ class EngineProfile:
     max_num_batched_tokens: int = 8192
     startup_s: float = 60.0
     decode_ctx_s_per_token: float = 0.0
+    prefill_release_share: float = 0.0  # see release_delay_s
     gpus: int = 1  # GPUs one engine occupies (GPU-hours count these)
     name: str = "profile"
 
@@ -51,6 +54,8 @@ class EngineProfile:
             raise ValueError("engine profile sizes must be >= 1")
         if self.startup_s < 0 or self.decode_ctx_s_per_token < 0:
             raise ValueError("engine profile times must be non-negative")
+        if not 0.0 <= self.prefill_release_share <= 1.0:
+            raise ValueError("prefill_release_share must be within [0, 1]")
 
     @property
     def response_s(self) -> float:
@@ -65,6 +70,15 @@ class EngineProfile:
         return (p.decode_step_s + p.decode_step_per_seq_s * batch
                 + prefill_tokens / p.prefill_tokens_per_s
                 + self.decode_ctx_s_per_token * context_tokens)
+
+    def release_delay_s(self, next_prefill_tokens: int) -> float:
+        """How long the outputs of a step that decoded wait for the step after it, which prefills
+        `next_prefill_tokens`: vLLM's async scheduling starts the next step before it takes the
+        outputs of this one, and a prefilling step holds them back for a share of its prefill
+        (`prefill_release_share`, fitted from step traces: pdserve.engine.step_trace)."""
+        if next_prefill_tokens <= 0 or self.prefill_release_share <= 0:
+            return 0.0
+        return self.prefill_release_share * next_prefill_tokens / self.perf.prefill_tokens_per_s
 
     def blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -82,6 +96,7 @@ class EngineProfile:
             # context cost measured apart and added on top counts it twice (2026-11-27: H100
             # TPOT +15..28% under load; CPU 35 of 60 cells within 15% with it, 43 without).
             fields["decode_ctx_s_per_token"] = step_fit.get("decode_ctx_s_per_token") or 0.0
+            fields["prefill_release_share"] = step_fit.get("prefill_release_share") or 0.0
         if "num_kv_blocks" not in fields and "kv_capacity_tokens" in data:
             size = fields.get("block_size", 16)
             fields["num_kv_blocks"] = int(data["kv_capacity_tokens"]) // size

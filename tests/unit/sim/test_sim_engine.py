@@ -99,3 +99,27 @@ def test_skipping_decode_steps_gives_the_step_by_step_timeline(profile):
     assert fast.engine.steps == slow.engine.steps
     assert fast.engine.step_ends == pytest.approx(slow.engine.step_ends, abs=1e-9)
     assert fast.q.processed < slow.q.processed / 2  # the point of skipping
+
+
+def test_first_tokens_of_a_decoding_step_wait_for_part_of_the_next_prefill(profile):
+    """vLLM's async scheduling: the outputs of a step that decoded come out part way into the
+    next step's prefill (EngineProfile.release_delay_s); the engine's own timeline is unchanged."""
+    held = profile.with_(prefill_release_share=0.5)
+    assert held.release_delay_s(300) == pytest.approx(0.5 * 0.300)
+    assert held.release_delay_s(0) == 0.0 and profile.release_delay_s(300) == 0.0
+    runs = {}
+    for name, p in (("plain", profile), ("held", held)):
+        b = Bench(p)
+        b.at(0.0, 0, 100, 10)  # A alone: a prefill-only step, nothing to hold it
+        b.at(0.05, 1, 300, 2)  # B prefills in step 2, beside A's decode
+        b.at(0.30, 2, 200, 2)  # C arrives during step 2: step 3 prefills it, beside A and B
+        b.q.run()
+        runs[name] = b
+    plain, held_run = runs["plain"], runs["held"]
+    assert held_run.first[0] == pytest.approx(plain.first[0]) == pytest.approx(0.11)
+    # Step 2 (A decodes, B's prompt) is followed by step 3 with C's 200 prompt tokens: B's first
+    # token waits half of those 200 ms. C's own step is followed by a decode-only step.
+    assert plain.first[1] == pytest.approx(0.421)
+    assert held_run.first[1] == pytest.approx(0.421 + 0.100)
+    assert held_run.first[2] == pytest.approx(plain.first[2])
+    assert held_run.done == plain.done and held_run.steps == plain.steps
