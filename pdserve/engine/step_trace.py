@@ -37,9 +37,9 @@ can keep it from them for part of its own run. In an H100 trace of vLLM 0.24 a d
 6.5 ms took a 32 ms period when a 1024-token prefill came next, and the prefill 3.5 ms; in
 colocated serving, decode steps before a 2048-token prefill took 19 ms against 8 ms. Between
 two prefill-only steps (a disaggregated prefill engine) the same fit finds almost nothing (a
-share of 0.06). So the fit has a second prefill column, the prefill held in a step's period: the next step's
-prefill where this step decoded and the next followed back to back, less this step's own where
-the step before decoded and this one followed it back to back:
+share of 0.06). So the fit has a second prefill column, the prefill held in a step's period:
+the next step's prefill where this step decoded and the next followed back to back, less this
+step's own where the step before decoded and this one followed it back to back:
 
     period = ... + prefill_tokens / rate + share * held prefill_tokens / rate
 
@@ -131,8 +131,8 @@ class StepFit:
     # prompt tokens -> median engine time (busy_s) of a one-prompt prefill-only step of that
     # length: with a profile's lone-request TTFTs it gives the response path (PerfModel)
     lone_prefill_s: dict[str, float] | None = None
-    # the share of a step's prefill time during which the step before it has not yet released
-    # its outputs (module docstring); None: no step prefilled right after another
+    # the share of a step's prefill time during which the decoding step before it has not yet
+    # released its outputs (module docstring); None: too few such pairs of steps to tell
     prefill_release_share: float | None = None
 
     def to_json(self) -> dict[str, float | int | None]:
@@ -179,7 +179,7 @@ def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10, min_mixed_steps
     data = np.asarray(rows, dtype=float)
     mixed = int((data[:, 1] > 0).sum())
     followed = int((data[:, 4] > 0).sum())
-    columns = [0] if mixed < min_mixed_steps else [0, 1, 4] if followed >= min_mixed_steps else [0, 1]
+    columns = [0] if mixed < min_mixed_steps else [0, 1] + ([4] if followed >= min_mixed_steps else [])
     # The context column counts on decode-only steps: a prefill chunk's attention over the
     # prompt's earlier chunks is not the decode batch's context read, and a step's held KV
     # does not tell the two apart.
