@@ -39,9 +39,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.bench.metrics import SLOTargets  # noqa: E402
+from pdserve.bench.client import RequestOutcome  # noqa: E402
+from pdserve.bench.metrics import SLOTargets, compute_metrics  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile, h200_kv_blocks  # noqa: E402
-from pdserve.sim.results import run_json  # noqa: E402
+from pdserve.sim.results import bench_result, run_json  # noqa: E402
 from pdserve.sim.runner import SimConfig, Topology, simulate  # noqa: E402
 from pdserve.sim.workload import Workload, at_rate  # noqa: E402
 
@@ -130,16 +131,52 @@ def cpu(args: argparse.Namespace) -> list[dict]:
         data = fitted_on_runs(data, traces, [windows[placed.index(str(p))] for p in args.fit_run])
         (args.out / "profile-fitted-on-run.json").write_text(json.dumps(data, indent=1))
     profile = EngineProfile.from_json(data, name=Path(args.profile).stem)
-    rows = []
+    rows, pools = [], {}
     for path in args.measured:
         measured = json.loads(Path(path).read_text())
         slo = SLOTargets(**{f"{k}_ms": v for k, v in (measured.get("goodput_slos") or {}).items()})
         run = simulate(SimConfig(profile, topology(args.arm)), replay(measured))
         sim = run_json(run, slo, percentiles=(50, 90, 99))
+        fitted_on = str(path) in {str(p) for p in args.fit_run}
         rows.append({"run": str(path), "arm": args.arm, "rate": measured["request_rate"],
-                     "metrics": compare(sim, measured),
-                     "fitted_on": str(path) in {str(p) for p in args.fit_run}})
+                     "metrics": compare(sim, measured), "fitted_on": fitted_on})
+        if args.pool_repeats:
+            result = bench_result(run, slo)
+            pool = pools.setdefault(measured["request_rate"], {"runs": [], "slo": slo, "fit": False,
+                                                               "measured": ([], 0.0), "sim": ([], 0.0)})
+            pool["runs"].append(str(path))
+            pool["fit"] |= fitted_on
+            for key, outcomes, duration in (("measured", measured_outcomes(measured), measured["duration"]),
+                                            ("sim", result.outcomes, result.duration_s)):
+                pool[key] = (pool[key][0] + list(outcomes), pool[key][1] + duration)
+    for rate, pool in sorted(pools.items()):
+        if len(pool["runs"]) < 2:
+            continue
+        pooled = {key: pooled_metrics(*pool[key], pool["slo"]) for key in ("measured", "sim")}
+        rows.append({"run": "pooled: " + " ".join(pool["runs"]), "arm": args.arm, "rate": rate,
+                     "metrics": compare(pooled["sim"], pooled["measured"]), "fitted_on": pool["fit"],
+                     "pooled": len(pool["runs"])})
     return rows
+
+
+def measured_outcomes(measured: dict) -> list[RequestOutcome]:
+    """A bench result JSON's requests as the harness's outcomes (what compute_metrics reads)."""
+    return [RequestOutcome(success=error in ("", None), prompt_len=prompt, start_s=start,
+                           ttft_s=ttft or 0.0, itls_s=tuple(itls or ()), e2el_s=latency or 0.0,
+                           output_tokens=output, error=error or "")
+            for prompt, output, start, ttft, itls, latency, error in zip(
+                measured["input_lens"], measured["output_lens"], measured["start_times"],
+                measured["ttfts"], measured["itls"], measured["latencies"], measured["errors"],
+                strict=True)]
+
+
+def pooled_metrics(outcomes: list[RequestOutcome], duration_s: float, slo: SLOTargets) -> dict:
+    """The harness's metrics over the requests of several runs of one rate: percentiles over all
+    their requests; goodput and throughput over the sum of the runs' durations."""
+    m = compute_metrics(outcomes, duration_s, (50.0, 90.0, 99.0), slo)
+    return {"median_ttft_ms": m.ttft.median_ms, "p90_ttft_ms": m.ttft.percentile(90.0),
+            "median_tpot_ms": m.tpot.median_ms, "p90_tpot_ms": m.tpot.percentile(90.0),
+            "request_goodput": m.request_goodput, "output_throughput": m.output_throughput}
 
 
 def gpu(args: argparse.Namespace) -> list[dict]:
@@ -181,6 +218,8 @@ def markdown(rows: list[dict]) -> str:
             err = "" if c["error_pct"] is None else f" ({c['error_pct']:+.0f}%)"
             cells.append(f"{c['measured']:.4g} / {c['sim']:.4g}{err}")
         rate = f"{r['rate']}{' (fit)' if r.get('fitted_on') else ''}"
+        if r.get("pooled"):
+            rate += f" ({r['pooled']} runs pooled)"
         lines.append(f"| {r['arm']} | {rate} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -203,6 +242,10 @@ def main() -> int:
                         "in order, when "
                         "--measured is a subset (the runs are placed on the trace's clock from "
                         "its end, which is the last run's)")
+    parser.add_argument("--pool-repeats", action="store_true",
+                        help="also score each rate over the requests of all its --measured runs "
+                        "together (percentiles over every request, goodput and throughput over "
+                        "the summed durations), simulated and measured alike")
     parser.add_argument("--gpu", type=Path, help="calibration JSON with a serving table")
     parser.add_argument("--gpu-prompts", type=int, default=1000)
     parser.add_argument("--out", type=Path, required=True)

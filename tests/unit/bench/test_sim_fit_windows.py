@@ -75,3 +75,28 @@ def test_a_profile_is_refitted_on_its_recorded_steps_or_a_given_window(tmp_path)
         tar.add(trace, arcname="steps")
     assert refit_script.refit(profile, packed)["step_fit"]["steps"] == later["steps"]
     json.dumps(later)  # what the script writes
+
+
+def bench_json(rate, ttfts, latencies, outputs, duration, slo=None):
+    n = len(ttfts)
+    return {"request_rate": rate, "duration": duration, "input_lens": [100] * n,
+            "output_lens": outputs, "start_times": [float(i) for i in range(n)], "ttfts": ttfts,
+            "itls": [[0.1] * (o - 1) for o in outputs], "latencies": latencies,
+            "errors": [""] * n, "goodput_slos": slo or {"ttft": 500.0, "tpot": 200.0}}
+
+
+def test_pooled_repeats_score_every_request_of_a_rate_together():
+    from pdserve.bench.metrics import SLOTargets
+
+    slo = SLOTargets(ttft_ms=500.0, tpot_ms=200.0)
+    r1 = bench_json(1.0, [0.2, 0.4, 0.6], [1.1, 1.3, 1.5], [10, 10, 10], 4.0)
+    r2 = bench_json(1.0, [0.8, 1.0], [1.7, 1.9], [10, 10], 6.0)
+    one = validate.pooled_metrics(validate.measured_outcomes(r1), 4.0, slo)
+    assert one["median_ttft_ms"] == pytest.approx(400.0)
+    assert one["request_goodput"] == pytest.approx(2 / 4.0)  # 0.2 and 0.4 s meet 500 ms
+    both = validate.pooled_metrics(validate.measured_outcomes(r1) + validate.measured_outcomes(r2),
+                                   10.0, slo)
+    assert both["median_ttft_ms"] == pytest.approx(600.0)  # the median of all five requests
+    assert both["median_tpot_ms"] == pytest.approx(100.0)  # (1.1 - 0.2) / 9, and so on
+    assert both["request_goodput"] == pytest.approx(2 / 10.0)
+    assert both["output_throughput"] == pytest.approx(50 / 10.0)
