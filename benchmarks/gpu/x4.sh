@@ -40,6 +40,8 @@
 # colocated x4 at 44 and 48 req/s (`PROOF_BUDGET_S=215 proof.sh gpumodel8b arm:colocated-4:44,48`).
 # As run on 2026-11-27 on 4 x H100, session 8 (benchmarks/results/gpu/2026-11-27-h100-x4-b/): h, j, k
 # (prepare the carried folders with benchmarks/gpu/prepare.sh).
+# As run on 2026-11-27 on 2 x H100, session 11 (benchmarks/results/gpu/2026-11-27-h100-x2-s11/): 2d,
+# the two arms by proof.sh directly, 2d again (its README has the commands).
 # As run on 2026-11-26 (benchmarks/results/gpu/2026-11-26-h200-x4/), a to d back to back on one
 # warm host. Step a's 260 s budget stopped 1P1D after 12 req/s (it started in 143 s and each
 # rate took ~40 s, not the 20 s planned): give an arm ~120 s to start plus ~40 s per rate.
