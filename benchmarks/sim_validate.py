@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.bench.client import RequestOutcome  # noqa: E402
 from pdserve.bench.metrics import SLOTargets, compute_metrics  # noqa: E402
+from pdserve.bench.report import result_json  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile, h200_kv_blocks  # noqa: E402
 from pdserve.sim.results import bench_result, run_json  # noqa: E402
 from pdserve.sim.runner import SimConfig, Topology, simulate  # noqa: E402
@@ -136,19 +137,19 @@ def cpu(args: argparse.Namespace) -> list[dict]:
         measured = json.loads(Path(path).read_text())
         slo = SLOTargets(**{f"{k}_ms": v for k, v in (measured.get("goodput_slos") or {}).items()})
         run = simulate(SimConfig(profile, topology(args.arm)), replay(measured))
-        sim = run_json(run, slo, percentiles=(50, 90, 99))
+        result = bench_result(run, slo, percentiles=(50, 90, 99))
         fitted_on = str(path) in {str(p) for p in args.fit_run}
         rows.append({"run": str(path), "arm": args.arm, "rate": measured["request_rate"],
-                     "metrics": compare(sim, measured), "fitted_on": fitted_on})
+                     "metrics": compare(result_json(result), measured), "fitted_on": fitted_on})
         if args.pool_repeats:
-            result = bench_result(run, slo)
             pool = pools.setdefault(measured["request_rate"], {"runs": [], "slo": slo, "fit": False,
-                                                               "measured": ([], 0.0), "sim": ([], 0.0)})
+                                                               "measured": [[], 0.0], "sim": [[], 0.0]})
             pool["runs"].append(str(path))
             pool["fit"] |= fitted_on
             for key, outcomes, duration in (("measured", measured_outcomes(measured), measured["duration"]),
                                             ("sim", result.outcomes, result.duration_s)):
-                pool[key] = (pool[key][0] + list(outcomes), pool[key][1] + duration)
+                pool[key][0].extend(outcomes)
+                pool[key][1] += duration
     for rate, pool in sorted(pools.items()):
         if len(pool["runs"]) < 2:
             continue
