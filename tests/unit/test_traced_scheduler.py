@@ -77,10 +77,13 @@ def test_a_step_records_its_prefills_decodes_and_the_kv_it_leaves(tmp_path, cloc
     steps = read_steps(tmp_path)["e"]
     # The context is what the running requests hold once the step is done; the last step's
     # includes "a", which finished in it.
+    # Each step was scheduled after the one before came back: none ahead.
     assert steps == [
-        Step(100.05, 200, 1, 1, busy_s=0.05, pending=2, context_tokens=101 + 200),
-        Step(pytest.approx(100.092), 100, 1, 1, busy_s=0.04, pending=2, context_tokens=102 + 300),
-        Step(pytest.approx(100.104), 0, 0, 2, busy_s=0.01, pending=1, context_tokens=103 + 301),
+        Step(100.05, 200, 1, 1, busy_s=0.05, pending=2, context_tokens=101 + 200, ahead=False),
+        Step(pytest.approx(100.092), 100, 1, 1, busy_s=0.04, pending=2, context_tokens=102 + 300,
+             ahead=False),
+        Step(pytest.approx(100.104), 0, 0, 2, busy_s=0.01, pending=1, context_tokens=103 + 301,
+             ahead=False),
     ]
 
 
@@ -101,8 +104,9 @@ def test_under_async_scheduling_a_step_is_timed_from_the_end_of_the_one_before(t
     scheduler.update_from_output(second, None)  # t=100.050
     empty = scheduler.schedule()  # nothing scheduled: no step
     scheduler.update_from_output(empty, None)
-    busy = [s.busy_s for s in read_steps(tmp_path)["e"]]
-    assert busy == [0.03, 0.02]
+    steps = read_steps(tmp_path)["e"]
+    assert [s.busy_s for s in steps] == [0.03, 0.02]
+    assert [s.ahead for s in steps] == [False, True]  # the second was scheduled ahead
 
 
 def test_step_shape_counts_a_request_as_prefilling_until_its_prompt_is_computed():
