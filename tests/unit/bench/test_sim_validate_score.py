@@ -1,0 +1,84 @@
+"""benchmarks/sim_validate_score.py: which cells count, the tolerance, and the repeat spread that
+comes from measured values only."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+_PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "sim_validate_score.py"
+_spec = importlib.util.spec_from_file_location("sim_validate_score", _PATH)
+scorer = importlib.util.module_from_spec(_spec)
+sys.modules["sim_validate_score"] = scorer
+_spec.loader.exec_module(scorer)
+
+
+def validation(rate_rows):
+    """{rate: {metric: (measured, sim)}} -> a sim_validate.py validation."""
+    rows = []
+    for rate, metrics in rate_rows.items():
+        rows.append({"run": f"r{rate}", "arm": "colocated", "rate": rate, "metrics": {
+            k: {"measured": m, "sim": s, "error_pct": (s - m) / m * 100 if m else None}
+            for k, (m, s) in metrics.items()}})
+    return {"rows": rows}
+
+
+def run_a():
+    return validation({
+        0.5: {"median_ttft_ms": (100, 110), "p90_ttft_ms": (200, 240), "median_tpot_ms": (50, 50),
+              "p90_tpot_ms": (80, 70), "request_goodput": (0.4, 0.5), "output_throughput": (15, 15)},
+        2.0: {"median_ttft_ms": (1000, 1140), "p90_ttft_ms": (3000, 2000), "median_tpot_ms": (90, 91),
+              "p90_tpot_ms": (120, 118), "request_goodput": (0.0, 0.1), "output_throughput": (40, 42)},
+    })
+
+
+def run_b():  # the same cells measured again
+    return validation({
+        0.5: {"median_ttft_ms": (105, 110), "p90_ttft_ms": (210, 240), "median_tpot_ms": (52, 50),
+              "p90_tpot_ms": (82, 70), "request_goodput": (0.45, 0.5), "output_throughput": (15.2, 15)},
+        2.0: {"median_ttft_ms": (1100, 1150), "p90_ttft_ms": (4500, 2000), "median_tpot_ms": (92, 91),
+              "p90_tpot_ms": (121, 118), "request_goodput": (0.0, 0.1), "output_throughput": (41, 42)},
+    })
+
+
+def test_cells_within_the_tolerance_goodput_apart_and_only_where_measured():
+    s = scorer.score(run_a(), {}, 15.0)
+    # 5 cells a rate; 0.5: TTFT p90 +20% misses; 2.0: TTFT p90 -33% misses (p50 +14% is in).
+    assert (s.within, s.total) == (8, 10)
+    # goodput: 0.5 is +25%; 2.0 measured none, so it is not a cell.
+    assert (s.goodput_within, s.goodput_total) == (0, 1)
+    assert s.misses == ["colocated @0.5 TTFT p90 +20%", "colocated @0.5 goodput +25%",
+                        "colocated @2 TTFT p90 -33%"]
+    assert scorer.score(run_a(), {}, 25.0).within == 9
+
+
+def test_the_repeat_spread_comes_from_measured_values_and_marks_cells_that_do_not_repeat():
+    spread = scorer.spreads([run_a(), run_b()])
+    assert spread[("colocated", 2.0, "p90_ttft_ms", False)] == pytest.approx(50.0)
+    assert spread[("colocated", 0.5, "p90_ttft_ms", False)] == pytest.approx(5.0)
+    assert ("colocated", 2.0, "request_goodput", False) not in spread  # zero: no ratio
+    # The same measurement scored twice (another step model) is not a repeat.
+    assert scorer.spreads([run_a(), run_a()]) == {}
+    s = scorer.score(run_a(), spread, 15.0)
+    # TTFT p90 @2 moved 50% between repeats: out of the repeatable count; @0.5 (5%) stays in.
+    assert (s.repeatable_within, s.repeatable_total) == (8, 9)
+    assert "colocated @2 TTFT p90 -33%, repeats 50% apart" in s.misses
+    assert "colocated @0.5 TTFT p90 +20%, repeats 5% apart" in s.misses
+    # The simulator's values play no part: the same spread with any prediction.
+    other = validation({0.5: {"p90_ttft_ms": (200, 1)}, 2.0: {"p90_ttft_ms": (3000, 1)}})
+    assert scorer.spreads([other, run_b()]) == {
+        k: v for k, v in spread.items() if k[2] == "p90_ttft_ms"}
+
+
+def test_the_command_line_writes_the_table(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(run_a()))
+    b.write_text(json.dumps(run_b()))
+    sys.argv = ["x", str(a), "--spread-from", str(b), "--out", str(tmp_path / "t.md")]
+    assert scorer.main() == 0
+    text = (tmp_path / "t.md").read_text()
+    assert "| 8/10 | 0/1 | 8/9 |" in text and text.strip() == capsys.readouterr().out.strip()
