@@ -1,20 +1,15 @@
 """benchmarks/gpu/proof.py: arm names, and the goodput table over a folder of arm records."""
 
 import argparse
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from scripts import load_script
+
 pytestmark = pytest.mark.unit
 
-_PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu" / "proof.py"
-_spec = importlib.util.spec_from_file_location("gpu_proof", _PATH)
-proof = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_proof"] = proof  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(proof)
+proof = load_script("gpu/proof", "gpu_proof")
 
 
 @pytest.mark.parametrize(

@@ -1,30 +1,19 @@
 """benchmarks/sim_validate.py and sim_refit_profile.py: which steps a refitted step model sees
 (the profile's own, one repeat's runs, a window of the trace)."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from pdserve.engine.step_trace import Step, StepTraceWriter
 
+from scripts import load_script
+
 pytestmark = pytest.mark.unit
 
-_BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-validate = _load("sim_validate")
-refit_script = _load("sim_refit_profile")
+validate = load_script("sim_validate")
+refit_script = load_script("sim_refit_profile")
 
 
 def engine(step_s: float, t0: float, steps: int, batch: int = 4) -> list[Step]:

@@ -1,18 +1,12 @@
 """benchmarks/sim_profile_cpu.py: the profile carries the engines' own max_num_batched_tokens."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+from scripts import load_script
 
 pytestmark = pytest.mark.unit
 
-_PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "sim_profile_cpu.py"
-_spec = importlib.util.spec_from_file_location("sim_profile_cpu", _PATH)
-script = importlib.util.module_from_spec(_spec)
-sys.modules["sim_profile_cpu"] = script
-_spec.loader.exec_module(script)
+script = load_script("sim_profile_cpu")
 
 LINE = ("(EngineActor pid=15789) INFO 11-27 08:20:02 [scheduler.py:307] Chunked prefill is enabled "
         "with max_num_batched_tokens={}.\n")

@@ -1,20 +1,16 @@
 """benchmarks/sim_validate_score.py: which cells count, the tolerance, and the repeat spread that
 comes from measured values only."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
+from scripts import load_script
+
 pytestmark = pytest.mark.unit
 
-_PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "sim_validate_score.py"
-_spec = importlib.util.spec_from_file_location("sim_validate_score", _PATH)
-scorer = importlib.util.module_from_spec(_spec)
-sys.modules["sim_validate_score"] = scorer
-_spec.loader.exec_module(scorer)
+scorer = load_script("sim_validate_score")
 
 
 def validation(rate_rows):
@@ -74,11 +70,11 @@ def test_the_repeat_spread_comes_from_measured_values_and_marks_cells_that_do_no
         k: v for k, v in spread.items() if k[2] == "p90_ttft_ms"}
 
 
-def test_the_command_line_writes_the_table(tmp_path, capsys):
+def test_the_command_line_writes_the_table(tmp_path, capsys, monkeypatch):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(run_a()))
     b.write_text(json.dumps(run_b()))
-    sys.argv = ["x", str(a), "--spread-from", str(b), "--out", str(tmp_path / "t.md")]
+    monkeypatch.setattr(sys, "argv", ["x", str(a), "--spread-from", str(b), "--out", str(tmp_path / "t.md")])
     assert scorer.main() == 0
     text = (tmp_path / "t.md").read_text()
     assert "| 8/10 | 0/1 | 8/9 |" in text and text.strip() == capsys.readouterr().out.strip()
