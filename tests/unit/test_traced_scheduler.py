@@ -16,9 +16,10 @@ pytestmark = pytest.mark.unit
 
 
 class FakeRequest:
-    def __init__(self, prompt: int, computed: int = 0) -> None:
+    def __init__(self, prompt: int, computed: int = 0, request_id: str = "") -> None:
         self.num_prompt_tokens = prompt
         self.num_computed_tokens = computed
+        self.request_id = request_id
 
 
 class FakeScheduler:
@@ -36,6 +37,9 @@ class FakeScheduler:
     def add(self, req_id: str, request: FakeRequest) -> None:
         self.requests[req_id] = request
         self.running.append(request)
+
+    def add_request(self, request: FakeRequest) -> None:  # vLLM's entry for a new request
+        self.add(request.request_id, request)
 
     def schedule(self, throttle_prefills: bool = False):
         tokens = self.plan.pop(0)
@@ -107,6 +111,25 @@ def test_under_async_scheduling_a_step_is_timed_from_the_end_of_the_one_before(t
     steps = read_steps(tmp_path)["e"]
     assert [s.busy_s for s in steps] == [0.03, 0.02]
     assert [s.ahead for s in steps] == [False, True]  # the second was scheduled ahead
+
+
+def test_a_step_records_when_the_requests_it_started_reached_the_scheduler(tmp_path, clock):
+    scheduler = traced(FakeScheduler)()
+    scheduler.start_trace(StepTraceWriter(tmp_path, "e"))
+    scheduler.add_request(FakeRequest(prompt=100, request_id="a"))  # t=100
+    clock[0] += 0.010
+    scheduler.add_request(FakeRequest(prompt=300, request_id="b"))  # t=100.01
+    clock[0] += 0.005
+    scheduler.plan = [{"a": 100, "b": 200}, {"a": 1, "b": 100}]
+    scheduler.finish = [[], ["a", "b"]]
+    for _ in range(2):
+        out = scheduler.schedule()
+        clock[0] += 0.05
+        scheduler.update_from_output(out, None)
+    steps = read_steps(tmp_path)["e"]
+    # The first step started both (b's first chunk); the second started none.
+    assert steps[0].arrived == [100.0, 100.01] and steps[1].arrived is None
+    assert scheduler._arrived == {}
 
 
 def test_step_shape_counts_a_request_as_prefilling_until_its_prompt_is_computed():
