@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 LATENCY = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms")
@@ -86,11 +86,11 @@ class Score:
     goodput_total: int = 0
     repeatable_within: int = 0  # among cells measured again whose spread is within tolerance
     repeatable_total: int = 0
-    misses: list[str] | None = None
+    misses: list[str] = field(default_factory=list)
 
 
 def score(validation: dict, spread: dict[tuple, float], tolerance: float) -> Score:
-    s = Score(misses=[])
+    s = Score()
     for cell in cells(validation):
         ok = cell.error_pct is not None and abs(cell.error_pct) <= tolerance
         moved = spread.get(cell.key)

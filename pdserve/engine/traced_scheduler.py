@@ -81,7 +81,7 @@ def traced(base: type) -> type:
     class TracedScheduler(base):  # type: ignore[misc, valid-type]
         def start_trace(self, writer: StepTraceWriter) -> None:
             self._trace = writer
-            self._in_flight: deque[tuple[float, bool, tuple[float, ...], int, int, int, int]] = deque()
+            self._in_flight: deque[tuple[float, bool, list[float], int, int, int, int]] = deque()
             self._last_end = 0.0
             self._arrived: dict[str, float] = {}  # request id -> add_request time, until scheduled
 
@@ -94,8 +94,8 @@ def traced(base: type) -> type:
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             out = super().schedule(*args, **kwargs)
             if out.total_num_scheduled_tokens:
-                arrived = tuple(round(t, 6) for t in (self._arrived.pop(r, None)
-                                                      for r in out.num_scheduled_tokens) if t is not None)
+                arrived = [round(t, 6) for t in (self._arrived.pop(r, None)
+                                                 for r in out.num_scheduled_tokens) if t is not None]
                 self._in_flight.append((time.monotonic(), bool(self._in_flight), arrived,
                                         *step_shape(self, out)))
             return out
@@ -110,7 +110,7 @@ def traced(base: type) -> type:
                     t=now, prefill_tokens=prefill_tokens, prefill_reqs=prefill_reqs,
                     decode_reqs=decode_reqs, busy_s=round(now - max(scheduled, self._last_end), 6),
                     pending=len(self.running) + len(self.waiting), context_tokens=context,
-                    ahead=ahead, arrived=list(arrived) or None))
+                    ahead=ahead, arrived=arrived or None))
                 self._last_end = now
             return outputs
 
