@@ -11,7 +11,11 @@ workload (random 256 in / 32 out, Poisson, 2 warm-ups, goodput TTFT 2000 ms and 
 same machine load: the shared box's load changes by the minute, and the simulator can only
 predict the engine it was fed. The k-th rate uses seed k: with one seed for all (before
 2026-11-26 session 4), every later rate found half of each prompt in the prefix cache.
---bench-repeats R measures every rate R times (rates in order, then again), seed k + 100 r.
+--bench-repeats R measures every rate R times (rates in order, then again): repeat r sends
+prompts of seed k + 100 r (no repeat finds another's prompts in the prefix cache) on the arrival
+schedule of seed k (`--arrival-seed`), so the repeats of a rate meet the same load and differ only
+by the machine's noise. Until 2026-11-27 (session 13) the arrivals came from seed k + 100 r too:
+those repeats were different workloads, and their spread is not the machine's noise alone.
 
 The arms start exactly like benchmarks/cpu_compare.py starts them (same flags), so the profile
 describes the engines that the recorded comparison measured. The start time (launch to /health)
@@ -51,13 +55,13 @@ NUM_KV_BLOCKS = 182
 
 
 def bench(base_url: str, model_dir: Path, arm: str, rate: float, out: Path,
-          num_prompts: int = 16, seed: int = 0, suffix: str = "") -> None:
+          num_prompts: int = 16, seed: int = 0, suffix: str = "", arrival_seed: int | None = None) -> None:
     """benchmarks/cpu_compare.py's run_bench, same flags; `suffix` tells repeats apart."""
     cmd = [sys.executable, "-m", "pdserve.bench.cli", "serve", "--base-url", base_url,
            "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(model_dir),
            "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "32",
            "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--num-warmups", "2",
-           "--seed", str(seed),
+           "--seed", str(seed), *(["--arrival-seed", str(arrival_seed)] if arrival_seed is not None else []),
            "--goodput", "ttft:2000", "tpot:250", "--save-result", "--result-dir", str(out),
            "--result-filename", f"{arm}-bench-rate{rate:g}{suffix}.json", "--label", arm,
            "--disable-tqdm"]
@@ -84,9 +88,10 @@ def main() -> int:
     parser.add_argument("--bench-rates", type=float, nargs="*", default=[])
     parser.add_argument("--num-prompts", type=int, default=16, help="benchmark prompts per rate")
     parser.add_argument("--bench-repeats", type=int, default=1,
-                        help="measure every rate this many times (files -r1, -r2, ...; seed k + "
-                        "100 x repeat, so no repeat finds another's prompts in the prefix cache): "
-                        "the spread between repeats is this machine's own noise")
+                        help="measure every rate this many times (files -r1, -r2, ...): the same "
+                        "arrivals (seed k) with prompts of seed k + 100 x repeat, so no repeat finds "
+                        "another's prompts in the prefix cache and the spread between repeats is this "
+                        "machine's own noise")
     parser.add_argument("--step-trace", action="store_true",
                         help="record engine step traces and fit the profile's step model to them")
     parser.add_argument("--start-timeout-s", type=float, default=1200)
@@ -117,7 +122,7 @@ def main() -> int:
             suffix = f"-r{repeat + 1}" if args.bench_repeats > 1 else ""
             for k, rate in enumerate(args.bench_rates):
                 bench(server.base_url, model_dir, args.arm, rate, args.out, args.num_prompts,
-                      seed=k + 100 * repeat, suffix=suffix)
+                      seed=k + 100 * repeat, suffix=suffix, arrival_seed=k)
         return code
     finally:
         server.stop()

@@ -196,6 +196,7 @@ def _run_config(
         max_concurrency=args.max_concurrency,
         num_warmups=args.num_warmups,
         seed=args.seed,
+        arrival_seed=args.arrival_seed,
         percentiles=tuple(args.metric_percentiles),
         slo=SLOTargets.parse(args.goodput or []),
         disable_tqdm=args.disable_tqdm,

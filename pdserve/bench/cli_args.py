@@ -175,6 +175,13 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
         help="replay trace timestamps this many times faster",
     )
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--arrival-seed",
+        type=int,
+        default=None,
+        help="draw the arrival schedule from this seed instead of --seed: the same arrivals with "
+        "other prompts, so a repeat meets the same load without hitting the prefix cache",
+    )
 
 
 def _add_traffic_args(parser: argparse.ArgumentParser) -> None:

@@ -82,6 +82,8 @@ def result_json(
         "num_warmups": config.num_warmups,
         "seed": config.seed,
     }
+    if config.arrival_seed is not None:
+        header["arrival_seed"] = config.arrival_seed
     body = _body(result, metrics)
     if not include_texts:
         del body["generated_texts"]

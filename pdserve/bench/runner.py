@@ -45,6 +45,8 @@ class RunConfig:
     max_concurrency: int | None = None
     num_warmups: int = 0
     seed: int = 0
+    # The arrival schedule's seed where it differs from the prompts' (`--arrival-seed`).
+    arrival_seed: int | None = None
     percentiles: tuple[float, ...] = (90.0, 99.0)
     slo: SLOTargets = field(default_factory=SLOTargets)
     disable_tqdm: bool = False
@@ -92,7 +94,7 @@ async def run_benchmark(
     """Run `requests` against the endpoint as `config` says and return the measured result."""
     if not requests:
         raise BenchmarkError("the workload has no requests")
-    rng = np.random.default_rng(config.seed)
+    rng = np.random.default_rng(config.seed if config.arrival_seed is None else config.arrival_seed)
     offsets = schedule(config.arrivals, len(requests), rng, [r.arrival_s for r in requests])
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
     client = OpenAIStreamClient(config.endpoint, max_connections=config.max_concurrency, clock=clock)

@@ -100,6 +100,10 @@ def test_serve_runs_and_saves_vllm_style_results(fake_server, word_tokenizer_dir
         "2",
         "--num-warmups",
         "1",
+        "--seed",
+        "5",
+        "--arrival-seed",
+        "9",
     ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
@@ -108,6 +112,7 @@ def test_serve_runs_and_saves_vllm_style_results(fake_server, word_tokenizer_dir
     payload = json.loads(json_path.read_text())
     assert payload["completed"] == 4 and payload["tokenizer_id"] == str(word_tokenizer_dir)
     assert payload["max_concurrency"] == 2 and payload["num_prompts"] == 4
+    assert (payload["seed"], payload["arrival_seed"]) == (5, 9)
     assert payload["input_lens"] == [8, 8, 8, 8]  # the server counts the 8 words of each text prompt
     assert json_path.with_suffix(".csv").exists()
     body = fake_server.state.requests[-1]

@@ -81,6 +81,20 @@ async def test_arrivals_follow_the_schedule(fake_server) -> None:
     assert result.arrival_offsets_s[-1] == pytest.approx(5 / 20.0)
 
 
+async def test_the_arrival_seed_keeps_the_schedule_when_the_prompt_seed_changes(fake_server) -> None:
+    def config(seed: int, arrival_seed: int | None) -> RunConfig:
+        return _config(fake_server.base_url, arrivals=ArrivalSpec(request_rate=50.0), seed=seed,
+                       arrival_seed=arrival_seed)
+
+    first = await run_benchmark(config(0, 7), _requests(4, output_len=1))
+    repeat = await run_benchmark(config(100, 7), _requests(4, output_len=1))
+    other = await run_benchmark(config(100, None), _requests(4, output_len=1))
+    assert first.arrival_offsets_s == repeat.arrival_offsets_s
+    assert other.arrival_offsets_s != first.arrival_offsets_s  # drawn from seed 100
+    assert result_json(repeat)["seed"] == 100 and result_json(repeat)["arrival_seed"] == 7
+    assert "arrival_seed" not in result_json(other)
+
+
 async def test_failures_are_counted_with_their_error(fake_server) -> None:
     requests = _requests(2) + _requests(1, prompt="FAIL please")
     result = await run_benchmark(_config(fake_server.base_url), requests)
