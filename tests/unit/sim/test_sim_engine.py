@@ -148,9 +148,10 @@ def test_async_scheduling_forms_the_next_batch_when_a_step_starts(profile):
     assert b.done[0] == pytest.approx(0.444 + 6 * 0.011)
 
 
-def test_async_scheduling_changes_nothing_when_the_look_ahead_finds_no_work(profile):
+def test_async_scheduling_changes_nothing_for_a_lone_prompt_after_another(profile):
     """A prefill engine's lone prompts: after launching A's step the engine had nothing else to
-    schedule, so it waited for A's outputs and took B right then, as without async scheduling."""
+    schedule; it formed B's step as B came, which runs when A's ends, as without async
+    scheduling."""
     firsts = []
     for mode in (False, True):
         b = Bench(profile.with_(async_scheduling=mode))
@@ -159,6 +160,23 @@ def test_async_scheduling_changes_nothing_when_the_look_ahead_finds_no_work(prof
         b.q.run()
         firsts.append(b.first)
     assert firsts[0] == firsts[1] == pytest.approx({0: 0.11, 1: 0.22})
+
+
+def test_async_scheduling_forms_the_next_batch_with_the_first_prompt_to_come(profile):
+    """With nothing else to schedule when A's step started, vLLM's engine core polls for work
+    while it runs and forms the next step the moment B comes; C, coming later in A's step, waits
+    for the step after B's (session 13's H100 trace of a 1P1D prefill engine). Without async
+    scheduling B and C share the step after A's."""
+    firsts = {}
+    for mode in (False, True):
+        b = Bench(profile.with_(async_scheduling=mode))
+        prefill_leg(b, 0.0, 0, 100)
+        prefill_leg(b, 0.03, 1, 100)
+        prefill_leg(b, 0.05, 2, 100)
+        b.q.run()
+        firsts[mode] = b.first
+    assert firsts[False] == pytest.approx({0: 0.11, 1: 0.11 + 0.21, 2: 0.11 + 0.21})
+    assert firsts[True] == pytest.approx({0: 0.11, 1: 0.22, 2: 0.33})
 
 
 def test_async_scheduling_holds_a_prompt_back_behind_one_scheduled_ahead(profile):
