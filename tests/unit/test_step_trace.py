@@ -312,3 +312,35 @@ def test_the_fit_says_whether_steps_were_scheduled_ahead():
     assert not EngineProfile.from_json(fitted).async_scheduling
     old = {**profile, "async_scheduling": True, "step_fit": fit_steps([trace]).to_json()}
     assert EngineProfile.from_json(old).async_scheduling
+
+
+def test_the_fit_measures_how_long_a_fresh_step_delays_the_look_ahead():
+    from pdserve.sim.engine_profile import EngineProfile
+
+    def step(t, busy, ahead, arrived=None):
+        return Step(t=t, prefill_tokens=100, prefill_reqs=1, decode_reqs=0, busy_s=busy,
+                    pending=0, ahead=ahead, arrived=arrived)
+
+    trace = [
+        step(1.05, 0.05, False, [0.999]),  # a fresh step from 1.0
+        step(1.10, 0.05, True, [1.02]),  # formed 20 ms into it, with a request that came then
+        step(1.15, 0.05, True, [1.06]),  # after a step scheduled ahead: not a fresh step's delay
+        step(2.05, 0.05, False, [1.999]),
+        step(2.10, 0.05, True, [2.03]),  # 30 ms
+        step(3.05, 0.05, False, [2.999]),
+        step(3.10, 0.05, True, [2.998]),  # was waiting before the fresh step: no delay to see
+        step(4.05, 0.05, False, [3.999]),
+        step(4.10, 0.05, True, [4.04]),  # 40 ms
+    ]
+    assert step_trace.lookahead_delays([trace]) == pytest.approx([0.02, 0.03, 0.04])
+    later = [replace(s, t=s.t + 1e4, arrived=[a + 1e4 for a in s.arrived]) for s in trace]
+    fit = step_trace.fit_replicas({"colocated-0": [*leaky_trace(0.4), *later]})
+    assert fit.lookahead_s == pytest.approx(0.03)
+    untimed = [replace(s, arrived=None) for s in trace]  # a trace from before `arrived`
+    assert step_trace.lookahead_of([untimed]) is None
+    # The profile takes the trace's value, else its own key, else none.
+    profile = {"prefill_tokens_per_s": RATE, "tpot_ms_by_batch": {"1": 32.0, "8": 46.0}}
+    assert EngineProfile.from_json(profile).lookahead_s == 0.0
+    assert EngineProfile.from_json({**profile, "lookahead_s": 0.01}).lookahead_s == 0.01
+    fitted = {**profile, "lookahead_s": 0.01, "step_fit": fit.to_json()}
+    assert EngineProfile.from_json(fitted).lookahead_s == 0.03

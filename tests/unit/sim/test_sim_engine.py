@@ -162,21 +162,24 @@ def test_async_scheduling_changes_nothing_for_a_lone_prompt_after_another(profil
     assert firsts[0] == firsts[1] == pytest.approx({0: 0.11, 1: 0.22})
 
 
-def test_async_scheduling_forms_the_next_batch_with_the_first_prompt_to_come(profile):
-    """With nothing else to schedule when A's step started, vLLM's engine core polls for work
-    while it runs and forms the next step the moment B comes; C, coming later in A's step, waits
-    for the step after B's (session 13's H100 trace of a 1P1D prefill engine). Without async
-    scheduling B and C share the step after A's."""
+def test_a_fresh_step_forms_the_next_batch_once_launched(profile):
+    """A starts the idle engine: launching its step keeps vLLM's engine core busy for
+    `lookahead_s`, then it forms the next batch from what came meanwhile (B) and waits for A;
+    C, coming later, is held to A's end and runs a step after B (session 13's H100 trace).
+    Without the delay (a look ahead at A's start finds nothing) B and C share the step after
+    A's, as without async scheduling; with a longer one both came in time and share it too."""
     firsts = {}
-    for mode in (False, True):
-        b = Bench(profile.with_(async_scheduling=mode))
+    for lookahead in (0.0, 0.02, 0.06):
+        b = Bench(profile.with_(async_scheduling=True, lookahead_s=lookahead))
         prefill_leg(b, 0.0, 0, 100)
-        prefill_leg(b, 0.03, 1, 100)
+        prefill_leg(b, 0.015, 1, 100)
         prefill_leg(b, 0.05, 2, 100)
         b.q.run()
-        firsts[mode] = b.first
-    assert firsts[False] == pytest.approx({0: 0.11, 1: 0.11 + 0.21, 2: 0.11 + 0.21})
-    assert firsts[True] == pytest.approx({0: 0.11, 1: 0.22, 2: 0.33})
+        firsts[lookahead] = b.first
+    together = {0: 0.11, 1: 0.11 + 0.21, 2: 0.11 + 0.21}
+    assert firsts[0.0] == pytest.approx(together)
+    assert firsts[0.02] == pytest.approx({0: 0.11, 1: 0.22, 2: 0.33})
+    assert firsts[0.06] == pytest.approx(together)
 
 
 def test_async_scheduling_holds_a_prompt_back_behind_one_scheduled_ahead(profile):
