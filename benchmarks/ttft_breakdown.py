@@ -1,0 +1,114 @@
+"""Where a served request's TTFT goes, from a GPU arm's step trace and its bench results.
+
+For every rate of an arm (`benchmarks/gpu/proof.py`'s `ARM-raw.tar.xz`: `rate-R.json` bench
+results and the engines' step traces, recorded with `PROOF_STEP_TRACE`), each request is matched
+to the step that started it: the trace's `arrived` (when the request reached vLLM's scheduler)
+sorted, against the client's sends sorted, FCFS (the engine takes prompts in arrival order).
+The client's clock (`start_times`, from the run's start) and the engines' (monotonic) differ by
+a constant, taken as the 1st percentile of `arrived - send`: the quickest way in. Then, in ms,
+means over the rate's requests:
+
+- `in`: from the client's send to vLLM's scheduler, above the quickest (the frontend, Ray, the
+  engine actor, vLLM's input queue, and the engine core busy with a step: vLLM takes in new
+  requests only between its own calls);
+- `wait`: from there to the start of the step that prefilled it;
+- `step`: that step;
+- `out`: from that step's end to the client's first token (the response path, with the quickest
+  way in counted here).
+
+A disaggregated arm's first token is the prefill engine's, so its prefill engine's trace is the
+one read; a colocated arm's engines are read together. It also prints the look-ahead delays
+(`pdserve.engine.step_trace.lookahead_delays`) the traces show.
+
+    .venv/bin/python benchmarks/ttft_breakdown.py \\
+        benchmarks/results/gpu/2026-11-27-h100-x2-s13/disagg-raw.tar.xz
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.engine.step_trace import lookahead_delays, read_steps  # noqa: E402
+
+
+def starts_of(traces: dict[str, list]) -> list[tuple[float, float, float]]:
+    """(arrived, step start, step end) of every request a first-token engine started, by arrival.
+    A disaggregated decode engine's requests come after their first token: left out."""
+    rows = []
+    for replica, steps in traces.items():
+        if replica.startswith("decode-"):
+            continue
+        for step in steps:
+            for arrived in step.arrived or ():
+                rows.append((arrived, step.t - (step.busy_s or 0.0), step.t))
+    return sorted(rows)
+
+
+def match(arrived: np.ndarray, sends: np.ndarray) -> int:
+    """Where the run's requests begin among the trace's arrivals: the window whose gaps best
+    follow the client's (other runs, warm-ups and profiles share the trace)."""
+    n = len(sends)
+    if len(arrived) < n:
+        raise ValueError(f"the trace has {len(arrived)} arrivals, the run {n} requests")
+    gaps = np.diff(sends)
+    return min(range(len(arrived) - n + 1),
+               key=lambda i: float(np.median(np.abs(np.diff(arrived[i:i + n]) - gaps))))
+
+
+def breakdown(run: dict, rows: list[tuple[float, float, float]]) -> dict[str, float]:
+    sends = np.asarray(run["start_times"], float)
+    order = np.argsort(sends, kind="stable")
+    sends, ttfts = sends[order], np.asarray(run["ttfts"], float)[order]
+    arrived = np.array([r[0] for r in rows])
+    first = match(arrived, sends)
+    mine = rows[first:first + len(sends)]
+    arrived = arrived[first:first + len(sends)]
+    start = np.array([r[1] for r in mine])
+    end = np.array([r[2] for r in mine])
+    offset = float(np.percentile(arrived - sends, 1))
+    parts = {"in": arrived - offset - sends, "wait": start - arrived, "step": end - start,
+             "out": sends + ttfts - (end - offset)}
+    out = {k: float(np.mean(v) * 1e3) for k, v in parts.items()}
+    out["ttft"] = float(np.mean(ttfts) * 1e3)
+    out["requests"] = len(sends)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("raw", type=Path, help="an arm's ARM-raw.tar.xz, or the folder it unpacks to")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.raw
+        if root.is_file():
+            with tarfile.open(root) as tar:
+                tar.extractall(tmp, filter="data")
+            root = Path(tmp)
+        steps_dir = next(p.parent for p in root.rglob("*.steps.jsonl"))
+        traces = read_steps(steps_dir, 0.0)
+        runs = sorted(root.rglob("rate-*.json"), key=lambda p: float(p.stem.split("-", 1)[1]))
+        rows = starts_of(traces)
+        print("| rate req/s | requests | in ms | wait ms | step ms | out ms | TTFT mean ms |")
+        print("|---|---|---|---|---|---|---|")
+        for path in runs:
+            b = breakdown(json.loads(path.read_text()), rows)
+            print(f"| {path.stem.split('-', 1)[1]} | {b['requests']} | {b['in']:.1f} | {b['wait']:.1f} | "
+                  f"{b['step']:.1f} | {b['out']:.1f} | {b['ttft']:.1f} |")
+        delays = np.array(lookahead_delays(list(traces.values()))) * 1e3
+        if len(delays):
+            print(f"\nlook-ahead delays after a fresh step: n={len(delays)}, ms p10/50/90 "
+                  f"{np.percentile(delays, 10):.1f}/{np.median(delays):.1f}/{np.percentile(delays, 90):.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""benchmarks/ttft_breakdown.py: a request's TTFT split at vLLM's scheduler and its step."""
+
+import pytest
+from scripts import load_script
+
+from pdserve.engine.step_trace import Step
+
+pytestmark = pytest.mark.unit
+
+script = load_script("ttft_breakdown")
+
+
+def test_the_parts_add_up_to_each_request_and_warm_ups_are_skipped():
+    # Engine clock = client clock + 100 s. Two warm-ups, then three requests sent at 0, 1, 2 s
+    # that reach the scheduler 0, 10 and 5 ms late, wait 2 ms, run 50 ms steps, and reach the
+    # client 12 ms after their step.
+    steps = [Step(t=90.05, prefill_tokens=8, prefill_reqs=1, decode_reqs=0, busy_s=0.05, arrived=[90.0]),
+             Step(t=90.55, prefill_tokens=8, prefill_reqs=1, decode_reqs=0, busy_s=0.05, arrived=[90.5])]
+    sends, late = [0.0, 1.0, 2.0], [0.0, 0.010, 0.005]
+    ttfts = []
+    for send, delay in zip(sends, late):
+        arrived = 100 + send + delay
+        steps.append(Step(t=arrived + 0.052, prefill_tokens=8, prefill_reqs=1, decode_reqs=0,
+                          busy_s=0.05, arrived=[arrived]))
+        ttfts.append(delay + 0.052 + 0.012)
+    run = {"start_times": [2.0, 0.0, 1.0], "ttfts": [ttfts[2], ttfts[0], ttfts[1]]}
+    rows = script.starts_of({"prefill-0": steps, "decode-0": steps[:1]})
+    assert len(rows) == 5  # the decode engine's requests are not first tokens
+    b = script.breakdown(run, rows)
+    assert b["requests"] == 3
+    assert b["in"] == pytest.approx(5.0, abs=0.2)  # 0, 10, 5 ms over the quickest
+    assert b["wait"] == pytest.approx(2.0) and b["step"] == pytest.approx(50.0)
+    assert b["out"] == pytest.approx(12.0, abs=0.2)
+    assert b["in"] + b["wait"] + b["step"] + b["out"] == pytest.approx(b["ttft"])
+
+
+def test_a_trace_with_fewer_arrivals_than_requests_is_an_error():
+    with pytest.raises(ValueError, match="2 arrivals"):
+        script.match(script.np.array([1.0, 2.0]), script.np.array([0.0, 1.0, 2.0]))
