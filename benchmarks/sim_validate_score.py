@@ -14,6 +14,13 @@ repeats, one repeat does not predict the other within the tolerance either; such
 marked, and the table also counts the cells whose measurement repeats within it. The marking
 uses only measured values, never the simulator's.
 
+`--against-mean` also scores each cell against the mean of its measured values over the
+repeats: where the repeats replayed the same arrivals (CPU profiles from session 14 on, the
+GPU runs throughout), that mean is the measurement with the machine's run-to-run noise
+averaged down, and the simulator, deterministic, predicts one value for all of them. (The CPU
+repeats of `cpu-profile-8` to `-13` drew other arrivals per repeat: their mean mixes two
+workloads, so it is not used there.)
+
     .venv/bin/python benchmarks/sim_validate_score.py \\
         benchmarks/results/sim/validation-cpu-colocated-13/r1-fit-on-r2/validation.json \\
         --spread-from benchmarks/results/sim/validation-cpu-colocated-13/r2-fit-on-r1/validation.json
@@ -48,6 +55,10 @@ class Cell:
     def key(self) -> tuple[str, float, str, bool]:
         return self.arm, self.rate, self.metric, self.pooled
 
+    @property
+    def sim(self) -> float | None:
+        return None if self.error_pct is None else self.measured * (1 + self.error_pct / 100)
+
 
 def cells(validation: dict) -> list[Cell]:
     """The scored cells of one validation: latency and throughput (one throughput metric per row,
@@ -78,6 +89,16 @@ def spreads(validations: list[dict]) -> dict[tuple, float]:
             if len(v) >= 2 and min(v) > 0}
 
 
+def means(validations: list[dict]) -> dict[tuple, float]:
+    """Cell key -> the mean of its distinct measured values over the validations (repeats);
+    only cells measured two or more times."""
+    seen: dict[tuple, set[float]] = {}
+    for validation in validations:
+        for cell in cells(validation):
+            seen.setdefault(cell.key, set()).add(cell.measured)
+    return {key: sum(v) / len(v) for key, v in seen.items() if len(v) >= 2}
+
+
 @dataclass
 class Score:
     within: int = 0
@@ -86,14 +107,21 @@ class Score:
     goodput_total: int = 0
     repeatable_within: int = 0  # among cells measured again whose spread is within tolerance
     repeatable_total: int = 0
+    mean_within: int = 0  # against the repeats' mean measured value (`--against-mean`)
+    mean_total: int = 0
     misses: list[str] = field(default_factory=list)
 
 
-def score(validation: dict, spread: dict[tuple, float], tolerance: float) -> Score:
+def score(validation: dict, spread: dict[tuple, float], tolerance: float,
+          mean: dict[tuple, float] | None = None) -> Score:
     s = Score()
     for cell in cells(validation):
         ok = cell.error_pct is not None and abs(cell.error_pct) <= tolerance
         moved = spread.get(cell.key)
+        average = (mean or {}).get(cell.key)
+        if average and cell.metric != GOODPUT and cell.sim is not None:
+            s.mean_total += 1
+            s.mean_within += abs(cell.sim / average - 1) * 100 <= tolerance
         if cell.metric == GOODPUT:
             if cell.measured > 0:
                 s.goodput_total += 1
@@ -112,14 +140,17 @@ def score(validation: dict, spread: dict[tuple, float], tolerance: float) -> Sco
     return s
 
 
-def table(rows: list[tuple[str, Score]], tolerance: float, with_spread: bool) -> str:
+def table(rows: list[tuple[str, Score]], tolerance: float, with_spread: bool,
+          with_mean: bool = False) -> str:
     head = ["validation", f"cells within {tolerance:g}%", "goodput"]
     head += ["of cells that repeat within it"] if with_spread else []
+    head += ["against the repeats' mean"] if with_mean else []
     head += ["misses"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in rows:
         cols = [name, f"{s.within}/{s.total}", f"{s.goodput_within}/{s.goodput_total}"]
         cols += [f"{s.repeatable_within}/{s.repeatable_total}"] if with_spread else []
+        cols += [f"{s.mean_within}/{s.mean_total}"] if with_mean else []
         cols += ["; ".join(s.misses) or "none"]
         lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines)
@@ -130,13 +161,20 @@ def main() -> int:
     parser.add_argument("validations", nargs="+", type=Path, help="validation.json files to score")
     parser.add_argument("--spread-from", nargs="*", type=Path, default=[],
                         help="validations of the same arms and rates measured again (repeats)")
+    parser.add_argument("--against-mean", action="store_true",
+                        help="also score against the mean measured value over the repeats (only "
+                        "where the repeats replayed the same arrivals; see above)")
     parser.add_argument("--tolerance", type=float, default=15.0, help="percent (default 15)")
     parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args()
     loaded = {p: json.loads(p.read_text()) for p in [*args.validations, *args.spread_from]}
-    spread = spreads(list(loaded.values())) if args.spread_from else {}
-    rows = [(str(p), score(loaded[p], spread, args.tolerance)) for p in args.validations]
-    text = table(rows, args.tolerance, bool(args.spread_from))
+    if args.against_mean and not args.spread_from:
+        parser.error("--against-mean needs the repeats' validations (--spread-from)")
+    repeats = list(loaded.values())
+    spread = spreads(repeats) if args.spread_from else {}
+    mean = means(repeats) if args.against_mean else None
+    rows = [(str(p), score(loaded[p], spread, args.tolerance, mean)) for p in args.validations]
+    text = table(rows, args.tolerance, bool(args.spread_from), args.against_mean)
     if args.out:
         args.out.write_text(text + "\n")
     print(text)

@@ -78,3 +78,25 @@ def test_the_command_line_writes_the_table(tmp_path, capsys, monkeypatch):
     assert scorer.main() == 0
     text = (tmp_path / "t.md").read_text()
     assert "| 8/10 | 0/1 | 8/9 |" in text and text.strip() == capsys.readouterr().out.strip()
+
+
+def test_against_the_mean_of_repeats_that_replayed_the_same_arrivals(tmp_path, capsys, monkeypatch):
+    # One prediction (a deterministic simulator, the same workload) for two repeats measured
+    # 100 and 140: 20% over the first, 14% under the second, on their mean.
+    a = validation({0.5: {"p90_ttft_ms": (100, 120), "request_goodput": (0.4, 0.6)}})
+    b = validation({0.5: {"p90_ttft_ms": (140, 120), "request_goodput": (0.5, 0.6)}})
+    mean = scorer.means([a, b])
+    assert mean[("colocated", 0.5, "p90_ttft_ms", False)] == pytest.approx(120.0)
+    s = scorer.score(a, scorer.spreads([a, b]), 15.0, mean)
+    assert (s.within, s.total) == (0, 1)
+    assert (s.mean_within, s.mean_total) == (1, 1)  # goodput is not scored against the mean
+    assert scorer.means([a, a]) == {}  # one measurement scored twice is no repeat
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    monkeypatch.setattr(sys, "argv", ["x", str(pa), "--spread-from", str(pb), "--against-mean"])
+    assert scorer.main() == 0
+    assert "| 0/1 | 0/1 | 0/0 | 1/1 |" in capsys.readouterr().out  # it moved 40%: not repeatable
+    monkeypatch.setattr(sys, "argv", ["x", str(pa), "--against-mean"])
+    with pytest.raises(SystemExit):
+        scorer.main()
