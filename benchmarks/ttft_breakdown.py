@@ -22,6 +22,10 @@ one read; a colocated arm's engines are read together. It also prints the look-a
 
     .venv/bin/python benchmarks/ttft_breakdown.py \\
         benchmarks/results/gpu/2026-11-27-h100-x2-s13/disagg-raw.tar.xz
+
+A CPU profile's folder works too, with its runs named in the order they ran (`--runs`). There
+vLLM schedules synchronously: a request that comes during a step waits in vLLM's input queue
+until the step ends, so the queue's wait shows under `in`, not `wait`.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdserve.engine.step_trace import lookahead_delays, read_steps  # noqa: E402
 
 
+TOLERANCE_S = 0.005  # a window's median gap error allowed above 3x the best's (`match`)
+
+
 def starts_of(traces: dict[str, list]) -> list[tuple[float, float, float]]:
     """(arrived, step start, step end) of every request a first-token engine started, by arrival.
     A disaggregated decode engine's requests come after their first token: left out."""
@@ -53,23 +60,30 @@ def starts_of(traces: dict[str, list]) -> list[tuple[float, float, float]]:
     return sorted(rows)
 
 
-def match(arrived: np.ndarray, sends: np.ndarray) -> int:
-    """Where the run's requests begin among the trace's arrivals: the window whose gaps best
-    follow the client's (other runs, warm-ups and profiles share the trace)."""
+def match(arrived: np.ndarray, sends: np.ndarray, after: int = 0) -> int:
+    """Where the run's requests begin among the trace's arrivals, at or after index `after`:
+    the window whose gaps best follow the client's (other runs, warm-ups and profiles share
+    the trace; repeats of one arrival schedule are told apart by taking the runs in order)."""
     n = len(sends)
-    if len(arrived) < n:
-        raise ValueError(f"the trace has {len(arrived)} arrivals, the run {n} requests")
+    if len(arrived) - after < n:
+        raise ValueError(f"the trace has {len(arrived) - after} arrivals left, the run {n} requests")
     gaps = np.diff(sends)
-    return min(range(len(arrived) - n + 1),
-               key=lambda i: float(np.median(np.abs(np.diff(arrived[i:i + n]) - gaps))))
+    scores = [float(np.median(np.abs(np.diff(arrived[i:i + n]) - gaps)))
+              for i in range(after, len(arrived) - n + 1)]
+    best = min(scores)
+    # The first window about as good as the best: a later repeat of the same schedule fits as
+    # well, give or take the machine's noise (a misaligned window is off by a typical gap).
+    return after + next(i for i, v in enumerate(scores) if v <= 3 * best + TOLERANCE_S)
 
 
-def breakdown(run: dict, rows: list[tuple[float, float, float]]) -> dict[str, float]:
+def breakdown(run: dict, rows: list[tuple[float, float, float]], after: int = 0) -> dict[str, float]:
+    """The run's means (module docstring), its requests matched to the trace's arrivals at or
+    after index `after`; `end` in the result is the index after its last."""
     sends = np.asarray(run["start_times"], float)
     order = np.argsort(sends, kind="stable")
     sends, ttfts = sends[order], np.asarray(run["ttfts"], float)[order]
     arrived = np.array([r[0] for r in rows])
-    first = match(arrived, sends)
+    first = match(arrived, sends, after)
     mine = rows[first:first + len(sends)]
     arrived = arrived[first:first + len(sends)]
     start = np.array([r[1] for r in mine])
@@ -80,12 +94,16 @@ def breakdown(run: dict, rows: list[tuple[float, float, float]]) -> dict[str, fl
     out = {k: float(np.mean(v) * 1e3) for k, v in parts.items()}
     out["ttft"] = float(np.mean(ttfts) * 1e3)
     out["requests"] = len(sends)
+    out["end"] = first + len(sends)
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("raw", type=Path, help="an arm's ARM-raw.tar.xz, or the folder it unpacks to")
+    parser.add_argument("--runs", type=Path, nargs="*",
+                        help="bench result JSONs, in the order they ran (default: the raw's "
+                        "rate-R.json by rate, the order proof.py runs them)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = args.raw
@@ -95,13 +113,16 @@ def main() -> int:
             root = Path(tmp)
         steps_dir = next(p.parent for p in root.rglob("*.steps.jsonl"))
         traces = read_steps(steps_dir, 0.0)
-        runs = sorted(root.rglob("rate-*.json"), key=lambda p: float(p.stem.split("-", 1)[1]))
+        runs = args.runs or sorted(root.rglob("rate-*.json"),
+                                   key=lambda p: float(p.stem.split("-", 1)[1]))
         rows = starts_of(traces)
-        print("| rate req/s | requests | in ms | wait ms | step ms | out ms | TTFT mean ms |")
+        print("| run | requests | in ms | wait ms | step ms | out ms | TTFT mean ms |")
         print("|---|---|---|---|---|---|---|")
+        after = 0
         for path in runs:
-            b = breakdown(json.loads(path.read_text()), rows)
-            print(f"| {path.stem.split('-', 1)[1]} | {b['requests']} | {b['in']:.1f} | {b['wait']:.1f} | "
+            b = breakdown(json.loads(path.read_text()), rows, after)
+            after = b["end"]
+            print(f"| {path.stem} | {b['requests']} | {b['in']:.1f} | {b['wait']:.1f} | "
                   f"{b['step']:.1f} | {b['out']:.1f} | {b['ttft']:.1f} |")
         delays = np.array(lookahead_delays(list(traces.values()))) * 1e3
         if len(delays):
