@@ -16,6 +16,13 @@ means over the rate's requests:
 - `out`: from that step's end to the client's first token (the response path, with the quickest
   way in counted here).
 
+Where the engine actors wrote their side too (`*.requests.jsonl`, traces from 2026-11-27's
+session 13 on: when the actor took each request and when its first output left the engine),
+`in` and `out` are split at the actor, matched in the same order: `to actor` (above the
+quickest), `actor in` (the actor to vLLM's scheduler: vLLM's input processing, its input
+queue, and the engine core busy with a step), `actor out` (the step's end to the actor's first
+output), `from actor` (to the client, with the quickest way to the actor).
+
 A disaggregated arm's first token is the prefill engine's, so its prefill engine's trace is the
 one read; a colocated arm's engines are read together. It also prints the look-ahead delays
 (`pdserve.engine.step_trace.lookahead_delays`) the traces show.
@@ -41,7 +48,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.engine.step_trace import lookahead_delays, read_steps  # noqa: E402
+from pdserve.engine.step_trace import lookahead_delays, read_requests, read_steps  # noqa: E402
 
 
 TOLERANCE_S = 0.005  # a window's median gap error allowed above 3x the best's (`match`)
@@ -76,9 +83,17 @@ def match(arrived: np.ndarray, sends: np.ndarray, after: int = 0) -> int:
     return after + next(i for i, v in enumerate(scores) if v <= 3 * best + TOLERANCE_S)
 
 
-def breakdown(run: dict, rows: list[tuple[float, float, float]], after: int = 0) -> dict[str, float]:
+def actor_rows(requests: dict[str, list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The first-token actors' (submitted, first) by submit time, like `starts_of`."""
+    return sorted(r for replica, rows in requests.items() if not replica.startswith("decode-")
+                  for r in rows)
+
+
+def breakdown(run: dict, rows: list[tuple[float, float, float]], after: int = 0,
+              actors: list[tuple[float, float]] | None = None) -> dict[str, float]:
     """The run's means (module docstring), its requests matched to the trace's arrivals at or
-    after index `after`; `end` in the result is the index after its last."""
+    after index `after`; `end` in the result is the index after its last. With the actors'
+    rows (as many as the arrivals), `in` and `out` are also split at the actor."""
     sends = np.asarray(run["start_times"], float)
     order = np.argsort(sends, kind="stable")
     sends, ttfts = sends[order], np.asarray(run["ttfts"], float)[order]
@@ -91,6 +106,13 @@ def breakdown(run: dict, rows: list[tuple[float, float, float]], after: int = 0)
     offset = float(np.percentile(arrived - sends, 1))
     parts = {"in": arrived - offset - sends, "wait": start - arrived, "step": end - start,
              "out": sends + ttfts - (end - offset)}
+    if actors is not None and len(actors) == len(rows):
+        mine_actor = actors[first:first + len(sends)]
+        submitted = np.array([r[0] for r in mine_actor])
+        first_out = np.array([r[1] for r in mine_actor])
+        to_actor = float(np.percentile(submitted - sends, 1))
+        parts.update({"to actor": submitted - to_actor - sends, "actor in": arrived - submitted,
+                      "actor out": first_out - end, "from actor": sends + ttfts - (first_out - to_actor)})
     out = {k: float(np.mean(v) * 1e3) for k, v in parts.items()}
     out["ttft"] = float(np.mean(ttfts) * 1e3)
     out["requests"] = len(sends)
@@ -116,14 +138,21 @@ def main() -> int:
         runs = args.runs or sorted(root.rglob("rate-*.json"),
                                    key=lambda p: float(p.stem.split("-", 1)[1]))
         rows = starts_of(traces)
-        print("| run | requests | in ms | wait ms | step ms | out ms | TTFT mean ms |")
-        print("|---|---|---|---|---|---|---|")
+        actors = actor_rows(read_requests(steps_dir)) or None
+        if actors is not None and len(actors) != len(rows):
+            print(f"note: {len(actors)} actor rows against {len(rows)} arrivals: not split at the actor")
+            actors = None
+        columns = ["in", "wait", "step", "out"]
+        if actors is not None:
+            columns += ["to actor", "actor in", "actor out", "from actor"]
+        print("| run | requests | " + " | ".join(f"{c} ms" for c in columns) + " | TTFT mean ms |")
+        print("|---|---|" + "---|" * len(columns) + "---|")
         after = 0
         for path in runs:
-            b = breakdown(json.loads(path.read_text()), rows, after)
+            b = breakdown(json.loads(path.read_text()), rows, after, actors)
             after = b["end"]
-            print(f"| {path.stem} | {b['requests']} | {b['in']:.1f} | {b['wait']:.1f} | "
-                  f"{b['step']:.1f} | {b['out']:.1f} | {b['ttft']:.1f} |")
+            cells = " | ".join(f"{b[c]:.1f}" for c in columns)
+            print(f"| {path.stem} | {b['requests']} | {cells} | {b['ttft']:.1f} |")
         delays = np.array(lookahead_delays(list(traces.values()))) * 1e3
         if len(delays):
             print(f"\nlook-ahead delays after a fresh step: n={len(delays)}, ms p10/50/90 "

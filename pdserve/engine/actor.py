@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from pdserve.config.schema import PdserveConfig
 from pdserve.engine.protocol import Engine
+from pdserve.engine.step_trace import RequestTraceWriter
 from pdserve.engine.types import (
     EngineInfo, EngineStats, GenerateDelta, GenerateFailure, GenerateRequest,
 )
@@ -76,6 +77,9 @@ class EngineActor:
         # Arrival -> first output of each request, drained by `stats()`: the engine's share of
         # TTFT, to set beside the frontend's (the rest is Ray, the frontend and the network).
         self._first_output_s: deque[float] = deque(maxlen=4096)
+        # With step tracing on, the same two times per request beside the engine's step trace.
+        trace_dir = spec.config.engine.step_trace_dir
+        self._requests = RequestTraceWriter(trace_dir, spec.replica_id) if trace_dir else None
 
     async def start(self) -> EngineInfo:
         """Build the engine; called once by the driver, may take minutes."""
@@ -120,7 +124,10 @@ class EngineActor:
         try:
             async for delta in self._engine.generate(request):
                 if first and delta.token_ids:
-                    self._first_output_s.append(time.monotonic() - arrived)
+                    now = time.monotonic()
+                    self._first_output_s.append(now - arrived)
+                    if self._requests is not None:
+                        self._requests.record(arrived, now)
                     first = False
                 self._emit(delta)
                 if delta.finished:
@@ -167,6 +174,8 @@ class EngineActor:
         if self._outputs is not None:
             self._outputs.put_nowait(None)
         await self._engine.shutdown()
+        if self._requests is not None:
+            self._requests.close()
 
     async def ping(self) -> str:
         return self._spec.replica_id

@@ -109,6 +109,42 @@ class StepTraceWriter:
             self._file = None
 
 
+REQUESTS_SUFFIX = ".requests.jsonl"
+
+
+class RequestTraceWriter:
+    """Beside an engine's step trace, its actor's side of each request: one JSON line per
+    request with `submitted` (the actor took it) and `first` (its first output left the
+    engine), monotonic seconds on the same clock as the steps (`benchmarks/ttft_breakdown.py`
+    sets them beside the steps' `arrived`)."""
+
+    def __init__(self, directory: str | Path, replica_id: str) -> None:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path / f"{replica_id}{REQUESTS_SUFFIX}"
+        self._file: IO[str] | None = self.path.open("a", buffering=1)
+
+    def record(self, submitted: float, first: float) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"submitted": round(submitted, 6), "first": round(first, 6)},
+                                        separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_requests(path: str | Path) -> dict[str, list[tuple[float, float]]]:
+    """replica id -> its actor's (submitted, first) per request, from a trace directory (empty
+    for traces recorded before the actors wrote them)."""
+    out = {}
+    for file in sorted(Path(path).glob(f"*{REQUESTS_SUFFIX}")):
+        rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+        out[file.name[: -len(REQUESTS_SUFFIX)]] = [(r["submitted"], r["first"]) for r in rows]
+    return out
+
+
 def read_steps(path: str | Path, since: float = 0.0) -> dict[str, list[Step]]:
     """replica id -> its steps at or after monotonic time `since` (a reader on the engines'
     host), from one trace file or every trace file of a directory; replicas without such steps

@@ -4,6 +4,7 @@ driven in process: the actor class with the mock engine, its stream handed over 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -232,3 +233,30 @@ async def test_the_actor_reports_each_requests_engine_side_first_output_once(ser
     metrics.update_engines([stats], ["colocated"])
     text = generate_latest(metrics.registry).decode()
     assert 'pdserve_engine_time_to_first_output_seconds_count{pool="colocated"} 3.0' in text
+
+
+async def test_with_step_tracing_the_actor_records_each_requests_submit_and_first_output(tmp_path):
+    from pdserve.engine.step_trace import read_requests
+
+    config = PdserveConfig.model_validate({"engine": {
+        "kind": "mock", "mock": {"decode_step_s": 0.001}, "step_trace_dir": str(tmp_path)}})
+    actor = EngineActor(EngineSpec("prefill-0", "prefill", "m", "m", config))
+    await actor.start()
+    before = time.monotonic()
+    for i in range(3):
+        await actor.submit(request(f"r{i}", max_tokens=4))
+    while actor._running:
+        await asyncio.sleep(0.01)
+    await actor.shutdown()
+    rows = read_requests(tmp_path)["prefill-0"]
+    assert len(rows) == 3  # one line per request, at its first output only
+    assert all(before <= submitted <= first <= time.monotonic() for submitted, first in rows)
+    assert read_requests(tmp_path / "none") == {}
+    # Without tracing, nothing is written.
+    plain = engine_actor()
+    await plain.start()
+    await plain.submit(request("r", max_tokens=2))
+    while plain._running:
+        await asyncio.sleep(0.01)
+    await plain.shutdown()
+    assert plain._requests is None

@@ -48,3 +48,28 @@ def test_repeats_of_one_arrival_schedule_are_matched_in_the_order_they_ran():
     first = script.match(arrived, script.np.array(sends))
     assert first == 0
     assert script.match(arrived, script.np.array(sends), after=first + len(sends)) == 5
+
+
+def test_the_actors_side_splits_the_way_in_and_out():
+    # Engine clock = client clock + 100 s. The actor takes each request 1 ms after the send
+    # (+4 ms once), hands it to vLLM's scheduler 3 ms later, and sees the first output 2 ms after
+    # the step; the client 5 ms after that.
+    sends = [0.0, 1.0, 2.0]
+    steps, actors, ttfts = [], [], []
+    for i, send in enumerate(sends):
+        submitted = 100 + send + 0.001 + (0.004 if i == 1 else 0.0)
+        arrived = submitted + 0.003
+        end = arrived + 0.05
+        steps.append(Step(t=end, prefill_tokens=8, prefill_reqs=1, decode_reqs=0, busy_s=0.05,
+                          arrived=[arrived]))
+        actors.append((submitted, end + 0.002))
+        ttfts.append(end + 0.002 + 0.005 - 100 - send)
+    run = {"start_times": sends, "ttfts": ttfts}
+    rows = script.starts_of({"prefill-0": steps})
+    b = script.breakdown(run, rows, actors=script.actor_rows({"prefill-0": actors, "decode-0": []}))
+    assert b["to actor"] == pytest.approx(4 / 3, abs=0.1)  # 0, 4, 0 ms over the quickest
+    assert b["actor in"] == pytest.approx(3.0) and b["actor out"] == pytest.approx(2.0)
+    assert b["from actor"] == pytest.approx(5.0 + 1.0, abs=0.1)  # with the quickest way in
+    assert b["to actor"] + b["actor in"] + b["wait"] + b["step"] + b["actor out"] + b["from actor"] \
+        == pytest.approx(b["ttft"])
+    assert "to actor" not in script.breakdown(run, rows)  # no actor rows, no split
