@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.engine.step_trace import read_steps  # noqa: E402
+from pdserve.engine.step_trace import read_steps, unpack_trace  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile  # noqa: E402
 from pdserve.sim.profile import step_fit_of  # noqa: E402
 
@@ -40,12 +39,7 @@ def refit(profile: dict, trace: Path, since: float | None = None,
     old = profile.get("step_fit") or {}
     since = old.get("since", 0.0) if since is None else since
     with tempfile.TemporaryDirectory() as tmp:
-        if trace.is_file():  # a packed trace (proof.sh's profile-steps.tar.xz)
-            with tarfile.open(trace) as tar:
-                tar.extractall(tmp, filter="data")
-            trace = Path(tmp)
-            trace = next(p.parent for p in trace.rglob("*.steps.jsonl"))
-        traces = read_steps(trace, since)
+        traces = read_steps(unpack_trace(trace, tmp)[1], since)
     return {**profile, "step_fit": {**step_fit_of(traces, since, until), "recorded_fit": old}}
 
 
@@ -75,12 +69,12 @@ def main() -> int:
                          "leave --lookahead-s out")
         data["lookahead_s"] = args.lookahead_s
     args.out.write_text(json.dumps(data, indent=1) + "\n")
-    fit = data["step_fit"]
+    fit, engine = data["step_fit"], EngineProfile.from_json(data)
     print(f"{args.out}: step {fit['decode_step_s'] * 1e3:.3f} ms + {fit['decode_step_per_seq_s'] * 1e3:.4f}"
           f" ms/request, prefill {fit['prefill_tokens_per_s']} tok/s, context "
           f"{fit['decode_ctx_s_per_token']} s/token (spread {fit['context_spread']}), {fit['steps']} steps, "
-          f"async scheduling {EngineProfile.from_json(data).async_scheduling}, look ahead "
-          f"{EngineProfile.from_json(data).lookahead_s * 1e3:.1f} ms after a fresh step")
+          f"async scheduling {engine.async_scheduling}, look ahead "
+          f"{engine.lookahead_s * 1e3:.1f} ms after a fresh step")
     return 0
 
 

@@ -76,27 +76,28 @@ def cells(validation: dict) -> list[Cell]:
     return out
 
 
-def spreads(validations: list[dict]) -> dict[tuple, float]:
-    """Cell key -> largest / smallest measured value over the validations, less one (in %); only
-    cells measured two or more times and non-zero in all. Two validations of one measurement
-    (the same runs predicted with two step models) carry the same measured values: a value
+def measured_values(validations: list[dict]) -> dict[tuple, set[float]]:
+    """Cell key -> its distinct measured values over the validations. Two validations of one
+    measurement (the same runs predicted with two step models) carry the same values: a value
     counts once, so they are not taken for two repeats that agree."""
     seen: dict[tuple, set[float]] = {}
     for validation in validations:
         for cell in cells(validation):
             seen.setdefault(cell.key, set()).add(cell.measured)
-    return {key: (max(v) / min(v) - 1) * 100 for key, v in seen.items()
+    return seen
+
+
+def spreads(validations: list[dict]) -> dict[tuple, float]:
+    """Cell key -> largest / smallest measured value over the validations, less one (in %); only
+    cells measured two or more times (`measured_values`) and non-zero in all."""
+    return {key: (max(v) / min(v) - 1) * 100 for key, v in measured_values(validations).items()
             if len(v) >= 2 and min(v) > 0}
 
 
 def means(validations: list[dict]) -> dict[tuple, float]:
     """Cell key -> the mean of its distinct measured values over the validations (repeats);
     only cells measured two or more times."""
-    seen: dict[tuple, set[float]] = {}
-    for validation in validations:
-        for cell in cells(validation):
-            seen.setdefault(cell.key, set()).add(cell.measured)
-    return {key: sum(v) / len(v) for key, v in seen.items() if len(v) >= 2}
+    return {key: sum(v) / len(v) for key, v in measured_values(validations).items() if len(v) >= 2}
 
 
 @dataclass

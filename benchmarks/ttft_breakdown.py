@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -48,7 +47,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.engine.step_trace import lookahead_delays, read_requests, read_steps  # noqa: E402
+from pdserve.engine.step_trace import (  # noqa: E402
+    lookahead_delays, read_requests, read_steps, unpack_trace,
+)
 
 
 TOLERANCE_S = 0.005  # a window's median gap error allowed above 3x the best's (`match`)
@@ -128,12 +129,7 @@ def main() -> int:
                         "rate-R.json by rate, the order proof.py runs them)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        root = args.raw
-        if root.is_file():
-            with tarfile.open(root) as tar:
-                tar.extractall(tmp, filter="data")
-            root = Path(tmp)
-        steps_dir = next(p.parent for p in root.rglob("*.steps.jsonl"))
+        root, steps_dir = unpack_trace(args.raw, tmp)
         traces = read_steps(steps_dir, 0.0)
         runs = args.runs or sorted(root.rglob("rate-*.json"),
                                    key=lambda p: float(p.stem.split("-", 1)[1]))

@@ -61,6 +61,7 @@ context, as before.
 from __future__ import annotations
 
 import json
+import tarfile
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -88,20 +89,19 @@ class Step:
     arrived: list[float] | None = None
 
 
-class StepTraceWriter:
-    """Appends steps to one engine's trace file, a line at a time (readers see every finished
-    step; one write per step is nothing next to a step's cost)."""
+class _LineWriter:
+    """Appends JSON lines to one engine's file in a trace directory, a line at a time (readers
+    see every finished line; one write per line is nothing next to what it records)."""
 
-    def __init__(self, directory: str | Path, replica_id: str) -> None:
+    def __init__(self, directory: str | Path, replica_id: str, suffix: str) -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        self.path = path / f"{replica_id}{SUFFIX}"
+        self.path = path / f"{replica_id}{suffix}"
         self._file: IO[str] | None = self.path.open("a", buffering=1)
 
-    def record(self, step: Step) -> None:
-        if self._file is None:
-            return
-        self._file.write(json.dumps(asdict(step), separators=(",", ":")) + "\n")
+    def _write(self, row: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
         if self._file is not None:
@@ -109,30 +109,44 @@ class StepTraceWriter:
             self._file = None
 
 
+class StepTraceWriter(_LineWriter):
+    """Appends steps to one engine's trace file."""
+
+    def __init__(self, directory: str | Path, replica_id: str) -> None:
+        super().__init__(directory, replica_id, SUFFIX)
+
+    def record(self, step: Step) -> None:
+        self._write(asdict(step))
+
+
 REQUESTS_SUFFIX = ".requests.jsonl"
 
 
-class RequestTraceWriter:
+class RequestTraceWriter(_LineWriter):
     """Beside an engine's step trace, its actor's side of each request: one JSON line per
     request with `submitted` (the actor took it) and `first` (its first output left the
     engine), monotonic seconds on the same clock as the steps (`benchmarks/ttft_breakdown.py`
     sets them beside the steps' `arrived`)."""
 
     def __init__(self, directory: str | Path, replica_id: str) -> None:
-        path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
-        self.path = path / f"{replica_id}{REQUESTS_SUFFIX}"
-        self._file: IO[str] | None = self.path.open("a", buffering=1)
+        super().__init__(directory, replica_id, REQUESTS_SUFFIX)
 
     def record(self, submitted: float, first: float) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps({"submitted": round(submitted, 6), "first": round(first, 6)},
-                                        separators=(",", ":")) + "\n")
+        self._write({"submitted": round(submitted, 6), "first": round(first, 6)})
 
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+
+def unpack_trace(path: str | Path, into: str | Path) -> tuple[Path, Path]:
+    """A recorded trace as (its root, the folder that holds its step traces): a directory as it
+    is, a packed one (proof.sh's `ARM-raw.tar.xz`, `profile-steps.tar.xz`) unpacked into `into`."""
+    root = Path(path)
+    if root.is_file():
+        with tarfile.open(root) as tar:
+            tar.extractall(into, filter="data")
+        root = Path(into)
+    found = next(root.rglob(f"*{SUFFIX}"), None)
+    if found is None:
+        raise FileNotFoundError(f"no *{SUFFIX} step traces in {path}")
+    return root, found.parent
 
 
 def read_requests(path: str | Path) -> dict[str, list[tuple[float, float]]]:
