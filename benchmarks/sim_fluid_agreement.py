@@ -60,7 +60,7 @@ def flatten(body: dict) -> dict:
 def compare(name: str, topology: Topology, workload, profile: EngineProfile) -> dict:
     config = SimConfig(profile, topology, SLO, record_itls=False, keep_requests=False)
     sim = Simulation(config)
-    recorder = LatencyRecorder(len(workload), profile.response_s)
+    recorder = LatencyRecorder(len(workload), profile.response_of)
     sim.on_request_done = recorder
     wall = time.perf_counter()
     des = flatten(run_json(sim.run(workload), GOODPUT, recorder=recorder))

@@ -101,7 +101,7 @@ def replay(run: dict, summary: dict, profile: EngineProfile) -> dict:
                        window_s=float(settings.get("scheduler.window_s", 30)),
                        record_itls=False, max_gpus=int(settings["max-gpus"]))
     result = simulate(config, workload)
-    resp = profile.response_s
+    response = profile.response_of
 
     def phase_of(t: float) -> str:
         return next((name for lo, hi, name in edges if lo <= t < hi), edges[-1][2])
@@ -115,7 +115,7 @@ def replay(run: dict, summary: dict, profile: EngineProfile) -> dict:
             b["refused"] += 1
         else:
             b["admitted"] += 1
-            ttft = req.first_token + resp - req.arrival
+            ttft = req.first_token + response(req.prompt) - req.arrival
             tpot = (req.finish - req.first_token) / (req.output - 1) if req.output > 1 else 0.0
             b["ttft"].append(ttft)
             b["tpot"].append(tpot)

@@ -15,6 +15,11 @@ the profile's `async_scheduling` for them, from the engine's own log: vLLM 0.24 
 tell how long a fresh step delays the look ahead (`lookahead_s`, pdserve.sim.engine);
 `--lookahead-s` writes one measured elsewhere (the same engine and GPU) for them.
 
+A profile of one engine sees no KV pulls. `--handoff-from` fits what a disaggregated prefill
+engine's step costs per request it hands over (`handoff_s`, pdserve.engine.step_trace.fit_handoff)
+on the prefill engines of other recorded 1P1D runs (`ARM-raw.tar.xz` of benchmarks/gpu/proof.sh:
+the same engine and GPU, other runs), and writes it into the profile.
+
     .venv/bin/python benchmarks/sim_refit_profile.py --profile P/profile.json \\
         --trace P/profile-steps.tar.xz --out P/profile-refit.json
 """
@@ -29,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.engine.step_trace import read_steps, unpack_trace  # noqa: E402
+from pdserve.engine.step_trace import fit_handoff, read_steps, unpack_trace  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile  # noqa: E402
 from pdserve.sim.profile import step_fit_of  # noqa: E402
 
@@ -41,6 +46,21 @@ def refit(profile: dict, trace: Path, since: float | None = None,
     with tempfile.TemporaryDirectory() as tmp:
         traces = read_steps(unpack_trace(trace, tmp)[1], since)
     return {**profile, "step_fit": {**step_fit_of(traces, since, until), "recorded_fit": old}}
+
+
+def handoff_of(traces: list[Path]) -> float:
+    """`fit_handoff` over the prefill engines (`prefill-N`) of the recorded runs."""
+    prefill = []
+    for i, path in enumerate(traces):
+        with tempfile.TemporaryDirectory() as tmp:
+            steps = read_steps(unpack_trace(path, Path(tmp) / str(i))[1])
+        prefill += [s for replica, s in steps.items() if replica.startswith("prefill-")]
+    if not prefill:
+        raise ValueError(f"no prefill engine's trace in {', '.join(map(str, traces))}")
+    handoff = fit_handoff(prefill)
+    if handoff is None:
+        raise ValueError("too few prefill steps after a prefill to fit the handoff")
+    return handoff
 
 
 def main() -> int:
@@ -55,6 +75,8 @@ def main() -> int:
                         help="the engine's scheduling, where the trace does not tell (see above)")
     parser.add_argument("--lookahead-s", type=float,
                         help="the look-ahead delay, where the trace does not tell (see above)")
+    parser.add_argument("--handoff-from", type=Path, nargs="+", metavar="TRACE",
+                        help="1P1D runs' traces to fit the prefill engine's handoff on (see above)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     data = refit(json.loads(args.profile.read_text()), args.trace, args.since, args.until)
@@ -68,13 +90,17 @@ def main() -> int:
             parser.error(f"the trace says lookahead_s={data['step_fit']['lookahead_s']}; "
                          "leave --lookahead-s out")
         data["lookahead_s"] = args.lookahead_s
+    if args.handoff_from:
+        data["handoff_s"] = handoff_of(args.handoff_from)
+        data["handoff_from"] = [str(p) for p in args.handoff_from]
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     fit, engine = data["step_fit"], EngineProfile.from_json(data)
     print(f"{args.out}: step {fit['decode_step_s'] * 1e3:.3f} ms + {fit['decode_step_per_seq_s'] * 1e3:.4f}"
           f" ms/request, prefill {fit['prefill_tokens_per_s']} tok/s, context "
           f"{fit['decode_ctx_s_per_token']} s/token (spread {fit['context_spread']}), {fit['steps']} steps, "
           f"async scheduling {engine.async_scheduling}, look ahead "
-          f"{engine.lookahead_s * 1e3:.1f} ms after a fresh step")
+          f"{engine.lookahead_s * 1e3:.1f} ms after a fresh step, prefill-only steps "
+          f"{fit.get('prefill_only')}, handoff {engine.handoff_s * 1e3:.2f} ms/request")
     return 0
 
 

@@ -48,7 +48,7 @@ def measure(engines: int, seconds: float, profile: EngineProfile) -> dict:
     wl = at_rate("chat", count, rate, seed=0)
     sim = Simulation(SimConfig(profile, Topology.colocated(engines), SloTargets(0.5, 0.05),
                                record_itls=False, keep_requests=False))
-    sim.on_request_done = LatencyRecorder(count, profile.response_s)
+    sim.on_request_done = LatencyRecorder(count, profile.response_of)
     started = time.process_time()
     wall = time.perf_counter()
     run = sim.run(wl)

@@ -93,7 +93,7 @@ def run_arm(args) -> None:
                        autoscaler=scaler or "pdserve", autoscale_interval_s=10.0,
                        record_itls=False, keep_requests=False)
     sim = Simulation(config)
-    rec = LatencyRecorder(len(wl), config.profile.response_s)
+    rec = LatencyRecorder(len(wl), config.profile.response_of)
     sim.on_request_done = rec
     cpu = time.process_time()
     run = sim.run(wl)

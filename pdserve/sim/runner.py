@@ -151,7 +151,7 @@ class Simulation:
         self.requests: list[SimRequest] = []
         self.on_request_done = None  # optional callback(SimRequest) for streaming summaries
         self._pending = 0
-        self._response_s = config.profile.response_s
+        self._response = config.profile.response_of
 
     # --- engines (the actuator) -------------------------------------------------------------
 
@@ -258,7 +258,7 @@ class Simulation:
 
     def _first_token(self, req: SimRequest, engine: SimEngine) -> None:
         now = self.queue.now
-        visible = now + self._response_s
+        visible = now + self._response(req.prompt)
         self.sched.first_token(req.ticket, visible)
         # As RayBackend._generate: the TTFT sample is taken when the first token is seen.
         self.sched.first_token_seen(req.ttft_pool, visible, visible - req.arrival)
@@ -286,7 +286,7 @@ class Simulation:
         self._pending -= 1
         self._last_done = self.queue.now
         if not req.error:
-            visible = req.finish + self._response_s
+            visible = req.finish + self._response(req.prompt)
             tpot = (req.finish - req.first_token) / (req.output - 1) if req.output > 1 else None
             self.sched.request_finished(req.ttft_pool, req.decode_pool, visible, None, tpot)
             for engine in (req.prefill_engine, req.decode_engine):

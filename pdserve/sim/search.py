@@ -49,7 +49,7 @@ class Trial:
 def evaluate(config: SimConfig, workload: Workload, goodput: SLOTargets) -> Trial:
     """Simulate one candidate and score it with the harness's attainment rule."""
     sim = Simulation(replace(config, record_itls=False, keep_requests=False))
-    recorder = LatencyRecorder(len(workload), config.profile.response_s)
+    recorder = LatencyRecorder(len(workload), config.profile.response_of)
     sim.on_request_done = recorder
     run = sim.run(workload)
     duration = max(run.end_s - float(workload.arrivals[0]), 1e-9)

@@ -344,3 +344,93 @@ def test_the_fit_measures_how_long_a_fresh_step_delays_the_look_ahead():
     assert EngineProfile.from_json({**profile, "lookahead_s": 0.01}).lookahead_s == 0.01
     fitted = {**profile, "lookahead_s": 0.01, "step_fit": fit.to_json()}
     assert EngineProfile.from_json(fitted).lookahead_s == 0.03
+
+
+def prefill_step(t, tokens, busy, reqs=1, arrived=None, decode=0):
+    return Step(t=t, prefill_tokens=tokens, prefill_reqs=reqs, decode_reqs=decode, busy_s=busy,
+                arrived=arrived)
+
+
+def test_quiet_prefills_leave_out_steps_during_which_a_request_arrived():
+    # Steps run 0.75-1.0, 1.75-2.0, 2.75-3.0; a request arriving at 1.875 came during the second.
+    trace = [prefill_step(1.0, 256, 0.25, arrived=[0.75]),  # at the first's start: not inside
+             prefill_step(2.0, 256, 0.25, arrived=[1.0]),  # at the first's end: not inside
+             prefill_step(3.0, 256, 0.25, arrived=[1.875]),
+             prefill_step(3.5, 256, 0.25, decode=2),  # decodes: not a prefill-only step
+             prefill_step(4.0, 256, None)]  # untimed
+    assert [s.t for s in step_trace.quiet_prefills([trace])] == [1.0, 3.0]
+    # Arrivals count within their own trace only; a trace without them keeps every timed step.
+    bare = [replace(s, arrived=None) for s in trace]
+    assert [s.t for s in step_trace.quiet_prefills([bare])] == [1.0, 2.0, 3.0]
+    assert [s.t for s in step_trace.quiet_prefills([trace, bare])] == [1.0, 3.0, 1.0, 2.0, 3.0]
+
+
+def test_lone_prefills_leave_out_steps_inflated_by_arrivals():
+    # Steps run 0.95-1.0, 1.8-2.0, 2.0-2.3, 2.33-2.4; 1.9 and 2.1 came during the two slow ones.
+    trace = [prefill_step(1.0, 256, 0.05, arrived=[0.9]), prefill_step(2.0, 256, 0.2, arrived=[1.5]),
+             prefill_step(2.3, 256, 0.3, arrived=[1.9]), prefill_step(2.4, 256, 0.07, arrived=[2.1])]
+    assert step_trace.lone_prefills([trace]) == {"256": pytest.approx(0.06)}
+    bare = [replace(s, arrived=None) for s in trace]
+    assert step_trace.lone_prefills([bare]) == {"256": pytest.approx(0.135)}
+
+
+def prefill_only_trace(per_size: int = 4) -> list[Step]:
+    """Quiet prefill-only steps: up to 256 tokens at a 13 ms floor, long ones on 2 ms + t / 43k;
+    1024 tokens (20 ms, under twice the floor) off that line, 8 tokens (5 ms) seen only twice,
+    and a mixed step."""
+    shapes = [(16, 0.013)] * 3 + [(256, 0.013)] * 3 + [(1024, 0.020)] * 3 + [(8, 0.005)] * 2
+    shapes += [(t, 0.002 + t / 43000) for t in (2048, 4096, 8192) for _ in range(per_size)]
+    trace = [prefill_step(1.0 + i, tokens, busy) for i, (tokens, busy) in enumerate(shapes)]
+    return trace + [prefill_step(99.0, 2048, 1.0, decode=4)]
+
+
+def test_the_prefill_only_line_is_fitted_above_twice_its_floor():
+    fit = step_trace.fit_prefill_only([prefill_only_trace()])
+    assert fit == {"step_s": pytest.approx(0.002, abs=1e-6), "tokens_per_s": pytest.approx(43000.0),
+                   "floor_s": 0.013, "steps": 12}
+    assert step_trace.fit_prefill_only([prefill_only_trace(per_size=3)]) is None  # 9 < 10 steps
+    one_size = [s for s in prefill_only_trace(per_size=6) if s.prefill_tokens in (16, 8192)]
+    assert step_trace.fit_prefill_only([one_size]) is None
+    assert step_trace.fit_prefill_only([[prefill_step(1.0, 16, 0.013)]]) is None  # no size 3x
+    # In a general fit too.
+    assert fit_steps([prefill_only_trace()]).prefill_only == fit
+
+
+HANDOFF = 0.0009
+
+
+def handoff_trace(groups: int = 12) -> list[Step]:
+    """A prefill engine's steps, 3 ms + tokens / 40k: each group starts with a step 40 ms after
+    the one before (past the window), then one 20 ms after it that runs `HANDOFF` longer per
+    request the first prefilled."""
+    trace, t = [], 0.0
+    for i in range(groups):
+        reqs, first = 1 + i % 3, [512, 1024, 2048, 1536][i % 4]
+        t += 0.040 + 0.003 + first / 40000
+        trace.append(prefill_step(t, first, 0.003 + first / 40000, reqs=reqs))
+        second = [1024, 2048, 512, 4096][i % 4]
+        busy = 0.003 + second / 40000 + HANDOFF * reqs
+        t += 0.020 + busy
+        trace.append(prefill_step(t, second, busy))
+    return trace
+
+
+def test_the_handoff_is_what_a_step_runs_longer_per_request_the_one_before_prefilled():
+    assert step_trace.fit_handoff([handoff_trace()]) == pytest.approx(HANDOFF, abs=1e-6)
+    # 10 steps after one within the window, 9 (the trace's first has none before it) after none.
+    assert step_trace.fit_handoff([handoff_trace(groups=10)]) is None
+    assert step_trace.fit_handoff([handoff_trace(groups=11)]) == pytest.approx(HANDOFF, abs=1e-6)
+
+
+def test_replicas_fit_the_handoff_on_prefill_engines_and_prefill_only_steps_on_the_others():
+    colocated, prefill = prefill_only_trace(), handoff_trace()
+    decode = [Step(0.05 * i, 0, 0, 4, pending=4) for i in range(1, 20)]
+    own = step_trace.fit_prefill_only([colocated])
+    assert step_trace.fit_prefill_only([prefill]) not in (None, own)  # what it would have given
+    both = fit_replicas({"colocated-0": colocated, "prefill-0": prefill})
+    assert both.handoff_s == pytest.approx(HANDOFF, abs=1e-6) and both.prefill_only == own
+    alone = fit_replicas({"colocated-0": colocated})
+    assert alone.handoff_s is None and alone.prefill_only == own
+    disaggregated = fit_replicas({"prefill-0": prefill, "decode-0": decode})
+    assert disaggregated.prefill_only is None
+    assert disaggregated.handoff_s == pytest.approx(HANDOFF, abs=1e-6)

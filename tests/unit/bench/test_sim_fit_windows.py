@@ -89,3 +89,34 @@ def test_pooled_repeats_score_every_request_of_a_rate_together():
     assert both["median_tpot_ms"] == pytest.approx(100.0)  # (1.1 - 0.2) / 9, and so on
     assert both["request_goodput"] == pytest.approx(2 / 10.0)
     assert both["output_throughput"] == pytest.approx(50 / 10.0)
+
+
+def prefill_engine(t0: float, groups: int, handoff: float) -> list[Step]:
+    """A prefill engine's steps of 2048-token prompts at 3 ms + tokens / 40k: in each group, a
+    step after a pause, then one 10 ms after it that runs `handoff` longer per prompt the step
+    before prefilled (pulled meanwhile); one prompt then two in even groups, two then one in
+    odd ones."""
+    steps, t = [], t0
+    for g in range(groups):
+        first, second = (1, 2) if g % 2 == 0 else (2, 1)
+        busy = 0.003 + first * 2048 / 40000
+        t += 1.0 + busy
+        steps.append(Step(t, first * 2048, first, 0, busy_s=busy, pending=0))
+        busy = 0.003 + second * 2048 / 40000 + handoff * first
+        t += 0.010 + busy
+        steps.append(Step(t, second * 2048, second, 0, busy_s=busy, pending=0))
+    return steps
+
+
+def test_the_handoff_is_fitted_on_other_runs_prefill_engines(tmp_path):
+    runs = []
+    for i, handoff in enumerate((0.0008, 0.0010)):
+        writer = StepTraceWriter(tmp_path / f"run{i}", "prefill-0")
+        for s in prefill_engine(100.0 * i, 12, handoff):
+            writer.record(s)
+        writer.close()
+        runs.append(tmp_path / f"run{i}")
+    assert refit_script.handoff_of(runs) == pytest.approx(0.0009, abs=1e-6)
+    colocated = write_trace(tmp_path / "colocated", engine(0.010, 0.0, 50))
+    with pytest.raises(ValueError, match="no prefill engine"):
+        refit_script.handoff_of([colocated])

@@ -47,7 +47,7 @@ def test_fluid_mode_calls_the_production_routing_and_scaling_functions(profile, 
 
 def _des(config, wl, goodput):
     sim = Simulation(config)
-    recorder = LatencyRecorder(len(wl), config.profile.response_s)
+    recorder = LatencyRecorder(len(wl), config.profile.response_of)
     sim.on_request_done = recorder
     return run_json(sim.run(wl), goodput, recorder=recorder)
 
