@@ -9,8 +9,9 @@ the engine model alone, without the frontend, Ray or the routing. A colocated en
 is a full leg; a disaggregated prefill engine's (`prefill-N`) a prefill leg that its decode
 engine pulls at once. Every request is the arm's shape (`--prompt`, `--output`).
 
-    .venv/bin/python benchmarks/actor_replay.py benchmarks/results/gpu/2026-11-28-h100-x2-s14/colocated-raw.tar.xz \\
-        --profile benchmarks/results/gpu/2026-11-28-h100-x2-s14/profile-1/profile-handoff.json --replica colocated-0
+    D=benchmarks/results/gpu/2026-11-28-h100-x2-s14
+    .venv/bin/python benchmarks/actor_replay.py $D/colocated-raw.tar.xz \\
+        --profile $D/profile-1/profile-handoff.json --replica colocated-0
 
 Session 14 (2 x H100, 2048-token prompts): the colocated engines' requests came out within
 0.3-3.1 ms of the simulated at 4-8 req/s per engine (means), while the prefill engine's took
