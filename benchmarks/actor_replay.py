@@ -5,7 +5,13 @@ A GPU arm's trace (`benchmarks/gpu/proof.sh`'s `ARM-raw.tar.xz`, recorded with
 (`{replica}.requests.jsonl`: when the actor took each request and when its first output left the
 engine). This feeds those submission times, run by run, to a `SimEngine` on a profile and
 compares the time to the first output, measured at the actor against simulated:
-the engine model alone, without the frontend, Ray or the routing. A colocated engine's request
+the engine model alone, without the frontend, Ray or the routing. With the engine's step trace
+the means split: measured, to vLLM's scheduler (`in`: input processing and its input queue), to
+the step that began the prefill (`wait`), that step as the trace times it, and back to the
+actor (`out`); simulated, to that step and from its start to the first token. Under async
+scheduling a step's recorded start can come after its work began on the GPU (the step before it
+keeps its outputs while the engine core launches a prefill: pdserve.engine.step_trace), so
+`wait` holds some of the prefill and `step` less of it. A colocated engine's request
 is a full leg; a disaggregated prefill engine's (`prefill-N`) a prefill leg that its decode
 engine pulls at once. Every request is the arm's shape (`--prompt`, `--output`).
 
@@ -33,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.engine.step_trace import read_requests, unpack_trace  # noqa: E402
+from pdserve.engine.step_trace import read_requests, read_steps, unpack_trace  # noqa: E402
 from pdserve.sim.engine import SimEngine, SimRequest  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile  # noqa: E402
 from pdserve.sim.events import EventQueue  # noqa: E402
@@ -48,9 +54,11 @@ def runs_of(submitted: np.ndarray) -> list[np.ndarray]:
 
 
 def replay(profile: EngineProfile, submitted: np.ndarray, prompt: int, output: int,
-           prefill_leg: bool) -> np.ndarray:
-    """Seconds from each submission to the simulated engine's first token, one engine alone."""
+           prefill_leg: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds from each submission to the simulated engine's first token, and to the start of
+    the step that began its prefill; one engine alone."""
     queue, first = EventQueue(), {}
+    requests = []
 
     def on_first(req: SimRequest, engine: SimEngine) -> None:
         first[req.index] = queue.now
@@ -65,27 +73,54 @@ def replay(profile: EngineProfile, submitted: np.ndarray, prompt: int, output: i
         req = SimRequest(i, float(t) - t0, prompt, output)
         if prefill_leg:
             req.leg = "prefill"
+        requests.append(req)
         queue.schedule(float(t) - t0, engine.submit_prefill, req)
     queue.run()
-    return np.array([first[i] - (float(t) - t0) for i, t in enumerate(submitted)])
+    arrival = np.array([r.arrival for r in requests])
+    return (np.array([first[r.index] for r in requests]) - arrival,
+            np.array([r.prefill_start for r in requests]) - arrival)
 
 
 def compare(profile: EngineProfile, rows: list[tuple[float, float]], prompt: int, output: int,
-            prefill_leg: bool, min_requests: int = 20) -> list[dict[str, float]]:
-    """Per run of at least `min_requests`: measured and simulated submission-to-first (ms)."""
-    data = np.array(sorted(rows))
+            prefill_leg: bool, starts: list[tuple[float, float, float]] | None = None,
+            min_requests: int = 20) -> list[dict[str, float]]:
+    """Per run of at least `min_requests`: measured and simulated submission-to-first (ms).
+    With `starts` (the engine's step trace: (arrived at vLLM's scheduler, start and end of the
+    step that began its prefill) per request, as many as `rows`), the means split too: measured
+    `in` (to the scheduler), `wait`, `step`, `out` (to the actor's first output); simulated
+    `wait` (to its prefill step) and `step` (to its first token)."""
+    order = np.argsort([r[0] for r in rows], kind="stable")
+    data = np.array(rows, dtype=float)[order]
+    split = None
+    if starts is not None and len(starts) == len(rows):
+        split = np.array(sorted(starts), dtype=float)  # FCFS: arrivals in the actor's order
     out = []
     for run in runs_of(data[:, 0]):
         if len(run) < min_requests:
             continue
         submitted, first = data[run, 0], data[run, 1]
         measured = (first - submitted) * 1e3
-        simulated = replay(profile, submitted, prompt, output, prefill_leg) * 1e3
+        to_first, to_step = replay(profile, submitted, prompt, output, prefill_leg)
+        simulated = to_first * 1e3
         span = float(submitted[-1] - submitted[0])
-        out.append({"requests": len(run), "rate": len(run) / span if span > 0 else float("nan"),
-                    **{f"measured_{k}": float(f(measured)) for k, f in STATS.items()},
-                    **{f"sim_{k}": float(f(simulated)) for k, f in STATS.items()}})
+        row = {"requests": len(run), "rate": len(run) / span if span > 0 else float("nan"),
+               **{f"measured_{k}": float(f(measured)) for k, f in STATS.items()},
+               **{f"sim_{k}": float(f(simulated)) for k, f in STATS.items()}}
+        if split is not None:
+            arrived, start, end = split[run, 0], split[run, 1], split[run, 2]
+            row.update({"measured_in": float(np.mean(arrived - submitted) * 1e3),
+                        "measured_wait": float(np.mean(start - arrived) * 1e3),
+                        "measured_step": float(np.mean(end - start) * 1e3),
+                        "measured_out": float(np.mean(first - end) * 1e3),
+                        "sim_wait": float(np.mean(to_step) * 1e3),
+                        "sim_step": float(np.mean(to_first - to_step) * 1e3)})
+        out.append(row)
     return out
+
+
+def step_starts(steps) -> list[tuple[float, float, float]]:
+    """(arrived, step start, step end) of every request an engine's steps started."""
+    return [(a, s.t - (s.busy_s or 0.0), s.t) for s in steps for a in s.arrived or ()]
 
 
 STATS = {"mean": np.mean, "p50": np.median, "p90": lambda x: np.percentile(x, 90)}
@@ -101,17 +136,23 @@ def main() -> int:
     args = parser.parse_args()
     profile = EngineProfile.load(args.profile)
     with tempfile.TemporaryDirectory() as tmp:
-        requests = read_requests(unpack_trace(args.trace, tmp)[1])
+        folder = unpack_trace(args.trace, tmp)[1]
+        requests = read_requests(folder)
+        steps = read_steps(folder)
     if args.replica not in requests:
         parser.error(f"no request trace for {args.replica} (have: {', '.join(sorted(requests)) or 'none'})")
     rows = compare(profile, requests[args.replica], args.prompt, args.output,
-                   args.replica.startswith("prefill-"))
-    print(f"{args.replica}: submission to first output at the actor, ms (measured / simulated)")
-    print("| run | requests | req/s | mean | p50 | p90 |")
-    print("|---|---|---|---|---|---|")
+                   args.replica.startswith("prefill-"), step_starts(steps.get(args.replica, [])))
+    print(f"{args.replica}: submission to first output at the actor, ms (measured / simulated); "
+          "the means split: measured in + wait + step + out, simulated wait + step")
+    print("| run | requests | req/s | mean | p50 | p90 | measured split | simulated split |")
+    print("|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows, 1):
         cells = " | ".join(f"{r[f'measured_{k}']:.1f} / {r[f'sim_{k}']:.1f}" for k in STATS)
-        print(f"| {i} | {r['requests']} | {r['rate']:.1f} | {cells} |")
+        split = (f"{r['measured_in']:.1f} + {r['measured_wait']:.1f} + {r['measured_step']:.1f} + "
+                 f"{r['measured_out']:.1f} | {r['sim_wait']:.1f} + {r['sim_step']:.1f}"
+                 if "sim_wait" in r else " | ")
+        print(f"| {i} | {r['requests']} | {r['rate']:.1f} | {cells} | {split} |")
     return 0
 
 

@@ -71,7 +71,7 @@ class SimRequest:
     __slots__ = ("index", "arrival", "prompt", "output", "prefill_left", "blocks", "blocks_on",
                  "leg", "ttft_pool", "decode_pool", "prefill_engine", "decode_engine", "ticket",
                  "first_token", "decode_start", "join_step", "finish", "step_engine", "error",
-                 "ctx_join", "pblocks", "pblocks_on", "entered")
+                 "ctx_join", "pblocks", "pblocks_on", "entered", "prefill_start")
 
     def __init__(self, index: int, arrival: float, prompt: int, output: int) -> None:
         self.index = index
@@ -95,6 +95,7 @@ class SimRequest:
         self.error = ""
         self.ctx_join = 0
         self.entered = 0.0  # when it last reached an engine's scheduler (async scheduling)
+        self.prefill_start = -1.0  # when the step with its first prompt chunk started
 
 
 class SimEngine:
@@ -283,6 +284,8 @@ class SimEngine:
                     break  # FCFS: the head waits for blocks, nobody overtakes it
                 self._admitted += 1
             chunk = min(req.prefill_left, budget)
+            if req.prefill_left == req.prompt:
+                req.prefill_start = self._queue.now
             chunks.append((req, chunk))
             prefill_tokens += chunk
             budget -= chunk

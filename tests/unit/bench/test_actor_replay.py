@@ -37,6 +37,7 @@ def test_runs_are_split_at_pauses_and_replayed_apart():
 
 def test_a_colocated_engine_decodes_what_it_prefilled():
     # Two full legs 50 ms apart: the second joins after the first's prefill, beside its decode.
-    sims = replay.replay(PROFILE, np.array([0.0, 0.05]), prompt=100, output=4, prefill_leg=False)
+    sims, starts = replay.replay(PROFILE, np.array([0.0, 0.05]), prompt=100, output=4, prefill_leg=False)
+    assert starts == pytest.approx([0.0, 0.06])  # the second waits for the first step to end
     assert sims[0] == pytest.approx(0.110)
     assert sims[1] == pytest.approx(0.110 + 0.110 - 0.05)  # its step: 10 ms + 100 tokens, beside a decode
