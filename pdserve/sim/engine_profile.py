@@ -163,7 +163,7 @@ class EngineProfile:
         line = response_line(data)
         if line is not None:
             fields["response_fixed_s"], fields["response_s_per_token"] = line
-        only = step_fit.get("prefill_only") or data.get("prefill_only")
+        only = step_fit.get("prefill_only")
         if only:
             fields["prefill_only_step_s"] = float(only["step_s"])
             fields["prefill_only_tokens_per_s"] = float(only["tokens_per_s"])
@@ -208,8 +208,6 @@ def response_line(data: Mapping[str, Any], min_explained: float = 0.9
         return None
     tokens = np.array([t for t, _ in points], dtype=float)
     gaps = np.array([g for _, g in points])
-    if np.ptp(tokens) == 0:
-        return None
     slope, intercept = np.polyfit(tokens, gaps, 1)
     residual = gaps - (intercept + slope * tokens)
     explained = 1.0 - float(residual @ residual) / max(float(((gaps - gaps.mean()) ** 2).sum()), 1e-18)
