@@ -8,6 +8,10 @@ and scored with the harness's metrics and the run's goodput SLOs.
 Refitted (`--refit-trace DIR`): the profile's step_fit is redone with the current fit code on the
 profile's own steps (those before the first measured run), for a profile recorded by older code.
 
+With step noise (`--noise-seeds K`): each run is simulated K times, its steps wandering as the
+profile's step trace showed (`step_fit.noise`, pdserve.engine.step_noise), and each metric's
+median over the K is compared; the lowest and highest simulated values are kept (`sim_range`).
+
 Fitted under load (`--fit-trace DIR --fit-run RUN.json...`): the profile's `step_fit` is refitted
 on the engines' step traces (`--step-trace` of sim_profile_cpu.py) recorded during the given
 runs, and every --measured run is predicted with it; the runs not fitted on are held out (the
@@ -77,6 +81,20 @@ def compare(sim: dict, measured: dict) -> dict:
     return row
 
 
+def compare_seeds(sims: list[dict], measured: dict) -> dict:
+    """`compare` against the median over simulations that differ only in their step noise's seed,
+    each metric's lowest and highest value kept as `sim_range`; one simulation: `compare`."""
+    if len(sims) == 1:
+        return compare(sims[0], measured)
+    median = {key: float(np.median([s[key] for s in sims])) for key in METRICS
+              if all(s.get(key) is not None for s in sims)}
+    row = compare(median, measured)
+    for key, cell in row.items():
+        values = [s[key] for s in sims]
+        cell["sim_range"] = [min(values), max(values)]
+    return row
+
+
 def run_windows(traces: dict[str, list], runs: list[dict]) -> list[tuple[float, float]]:
     """(start, end) in trace time of each run. Trace time is monotonic and runs carry their
     wall-clock start (`date`, to the second) and duration: the last run ends at the trace's last
@@ -136,20 +154,24 @@ def cpu(args: argparse.Namespace) -> list[dict]:
     for path in args.measured:
         measured = json.loads(Path(path).read_text())
         slo = SLOTargets(**{f"{k}_ms": v for k, v in (measured.get("goodput_slos") or {}).items()})
-        run = simulate(SimConfig(profile, topology(args.arm)), replay(measured))
-        result = bench_result(run, slo, percentiles=(50, 90, 99))
+        seeds = range(args.noise_seeds) if args.noise_seeds else [None]
+        results = [bench_result(simulate(SimConfig(profile, topology(args.arm), step_noise=seed),
+                                         replay(measured)), slo, percentiles=(50, 90, 99))
+                   for seed in seeds]
         fitted_on = str(path) in {str(p) for p in args.fit_run}
         rows.append({"run": str(path), "arm": args.arm, "rate": measured["request_rate"],
-                     "metrics": compare(result_json(result), measured), "fitted_on": fitted_on})
+                     "metrics": compare_seeds([result_json(r) for r in results], measured),
+                     "fitted_on": fitted_on, **({"noise_seeds": len(seeds)} if args.noise_seeds else {})})
         if args.pool_repeats:
             pool = pools.setdefault(measured["request_rate"], {"runs": [], "slo": slo, "fit": False,
                                                                "measured": [[], 0.0], "sim": [[], 0.0]})
             pool["runs"].append(str(path))
             pool["fit"] |= fitted_on
-            for key, outcomes, duration in (("measured", measured_outcomes(measured), measured["duration"]),
-                                            ("sim", result.outcomes, result.duration_s)):
-                pool[key][0].extend(outcomes)
-                pool[key][1] += duration
+            pool["measured"][0].extend(measured_outcomes(measured))
+            pool["measured"][1] += measured["duration"]
+            for result in results:  # with step noise, every seed's requests and durations
+                pool["sim"][0].extend(result.outcomes)
+                pool["sim"][1] += result.duration_s
     for rate, pool in sorted(pools.items()):
         if len(pool["runs"]) < 2:
             continue
@@ -247,6 +269,10 @@ def main() -> int:
                         help="also score each rate over the requests of all its --measured runs "
                         "together (percentiles over every request, goodput and throughput over "
                         "the summed durations), simulated and measured alike")
+    parser.add_argument("--noise-seeds", type=int, default=0, metavar="K",
+                        help="simulate each run K times with the profile's step noise on (seeds "
+                        "0..K-1: pdserve.engine.step_noise) and compare the median of each metric; "
+                        "its range over the seeds is kept (sim_range)")
     parser.add_argument("--gpu", type=Path, help="calibration JSON with a serving table")
     parser.add_argument("--gpu-prompts", type=int, default=1000)
     parser.add_argument("--out", type=Path, required=True)

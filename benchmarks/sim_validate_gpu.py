@@ -7,7 +7,8 @@ topology (colocated N or xPyD; a plain-vLLM arm of N engines as colocated N) and
 lengths, Poisson at the same rate, the same number of requests and the same seed (the simulator
 draws the harness's schedule for a seed, so the arrival times are the measured run's). Each rate
 is simulated once per TPOT target (`--goodput ttft:500 tpot:T`); the runs are deterministic, so
-only the attainment differs between them.
+only the attainment differs between them. With `--noise-seeds K`, K times per target with the
+profile's step noise on (seeds 0..K-1), and the medians compared.
 
 Writes `validation.json` (every number, every command) and `table.md` (measured / predicted and
 the error) to `--out`. Nothing is fitted to the measurements: the profile is used as recorded.
@@ -33,6 +34,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 TPOT_TARGETS_MS = (10.0, 20.0)
@@ -92,14 +94,20 @@ def simulate(command: list[str]) -> dict:
         return json.loads(out.read_text())
 
 
-def run_rate(arm: Arm, row: dict, profile: Path, frontend_tokens_per_s: float = 0.0) -> dict:
+def run_rate(arm: Arm, row: dict, profile: Path, frontend_tokens_per_s: float = 0.0,
+             noise_seeds: int = 0) -> dict:
     base = [sys.executable, "-m", "pdserve.sim.cli", "run", "--profile", str(profile),
             *arm.topology_flags, *workload_flags(row, arm.record)]
     sims, commands = {}, []
     for target in TPOT_TARGETS_MS:
         command = base + ["--goodput", f"ttft:{TTFT_TARGET_MS:g}", f"tpot:{target:g}"]
-        commands.append(" ".join(shlex.quote(c) for c in command[1:]))
-        sims[target] = simulate(command)
+        if not noise_seeds:
+            commands.append(" ".join(shlex.quote(c) for c in command[1:]))
+            sims[target] = simulate(command)
+            continue
+        seeded = [command + ["--step-noise", str(seed)] for seed in range(noise_seeds)]
+        commands += [" ".join(shlex.quote(c) for c in c_[1:]) for c_ in seeded]
+        sims[target] = median_result([simulate(c_) for c_ in seeded])
     sim = sims[TPOT_TARGETS_MS[0]]
     bench = row["bench"]
     metrics = {k: _pair(bench[k], sim[k]) for k in LATENCY_KEYS}
@@ -114,6 +122,15 @@ def run_rate(arm: Arm, row: dict, profile: Path, frontend_tokens_per_s: float = 
             "metrics": metrics, "commands": ["pdserve sim" + c.split("pdserve.sim.cli", 1)[1]
                                              for c in commands],
             "simulated_failed": sim["failed"]}
+
+
+def median_result(results: list[dict]) -> dict:
+    """The median over simulations that differ only in their step noise's seed, of what run_rate
+    reads: the latency percentiles, the throughput, the attainment; the most failed."""
+    out = {k: median([r[k] for r in results]) for k in (*LATENCY_KEYS, "request_throughput")}
+    out["slo_attainment"] = {"all": median([r["slo_attainment"]["all"] for r in results])}
+    out["failed"] = max(r["failed"] for r in results)
+    return out
 
 
 def _pair(measured: float, sim: float) -> dict:
@@ -177,6 +194,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--frontend-tokens-per-s", type=float, default=0.0,
                         help="flag rates whose token stream reaches this frontend limit (0: none)")
+    parser.add_argument("--noise-seeds", type=int, default=0, metavar="K",
+                        help="simulate each rate K times with the profile's step noise on "
+                        "(`pdserve sim run --step-noise 0..K-1`) and compare the medians")
     args = parser.parse_args()
     arms = []
     for spec in args.arm:
@@ -185,7 +205,8 @@ def main() -> int:
     rows = []
     for arm in arms:
         for row in arm.record["rates"]:
-            rows.append(run_rate(arm, row, args.profile, args.frontend_tokens_per_s))
+            rows.append(run_rate(arm, row, args.profile, args.frontend_tokens_per_s,
+                                 args.noise_seeds))
             print(f"{arm.name} @ {row['rate']:g}: " + ", ".join(
                 f"{k} {v['measured']:.3g}/{v['sim']:.3g}" for k, v in rows[-1]["metrics"].items()),
                 flush=True)

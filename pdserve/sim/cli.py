@@ -75,6 +75,9 @@ def _add_commands(parser: argparse.ArgumentParser) -> None:
                      help="cohort size cap in requests per engine of the smallest group")
     run.add_argument("--record-itls", action="store_true",
                      help="keep per-token gaps (ITL metrics); memory grows with engine steps")
+    run.add_argument("--step-noise", type=int, nargs="?", const=0, metavar="SEED",
+                     help="steps wander as the profile's step trace showed (step_fit.noise), "
+                     "drawn from SEED (default 0); off: every step takes the model's time")
     run.add_argument("--save-result", type=Path, help="result JSON (harness keys + simulation)")
     run.add_argument("--plot-dir", type=Path, help="write pool-size and latency plots here")
     run.set_defaults(handler=_run)
@@ -229,7 +232,7 @@ def _run(args: argparse.Namespace) -> int:
     large = len(cell.workload) > 200_000 or not args.record_itls and args.cells > 1
     config = SimConfig(profile, cell.topology, slo, scaling=ScalingPolicy(
         target_utilization=args.target_utilization), autoscale_interval_s=args.autoscale_interval_s,
-        record_itls=args.record_itls, keep_requests=not large,
+        record_itls=args.record_itls, keep_requests=not large, step_noise=args.step_noise,
         max_gpus=None if args.max_gpus is None else max(1, args.max_gpus // args.cells))
     sim = Simulation(config)
     recorder = None
@@ -256,6 +259,8 @@ def _run(args: argparse.Namespace) -> int:
 def _run_fluid(args: argparse.Namespace) -> int:
     if args.cells != 1:
         raise SystemExit("--sim-mode fluid simulates every engine: leave --cells at 1")
+    if args.step_noise is not None:
+        raise SystemExit("--sim-mode fluid has no engine steps to vary: leave out --step-noise")
     profile = load_profile(args)
     slo, goodput = _slos(args)
     config = SimConfig(profile, build_topology(args), slo, scaling=ScalingPolicy(

@@ -52,15 +52,23 @@ within `handoff_window_s` of the one that prefilled them pays it; after a longer
 pulls are over. In seven H100 runs it was 0.6-1.1 ms per 2048-token prompt, about 2% of a step:
 at 20 req/s, 95% of the prefill engine's capacity, without it the simulated TTFT p50 came out
 17-27% low in every run of sessions 12-14.
+
+With a `noise_seed`, where the profile says the steps of the engine's pool wander
+(`EngineProfile.noise_of`), each step takes the model's time times a factor from the engine's own
+process (pdserve.engine.step_noise), seeded by the noise seed and the replica id, so a run repeats
+exactly. Every step is then its own event (no
+skipped runs of decode steps: they no longer take the same time).
 """
 
 from __future__ import annotations
 
 import heapq
+import random
 from collections import deque
 from collections.abc import Callable
 from functools import partial
 
+from pdserve.engine.step_noise import StepNoise
 from pdserve.sim.engine_profile import EngineProfile
 from pdserve.sim.events import EventQueue
 
@@ -106,7 +114,8 @@ class SimEngine:
                  on_step: Callable[[SimEngine, float], None],
                  on_pulled: Callable[[SimRequest, SimEngine], None],
                  on_idle: Callable[[SimEngine], None] | None = None,
-                 record_steps: bool = False, skip_steps: bool = True) -> None:
+                 record_steps: bool = False, skip_steps: bool = True,
+                 noise_seed: int | None = None) -> None:
         self.replica_id = replica_id
         self.pool = pool
         self.profile = profile
@@ -137,7 +146,10 @@ class SimEngine:
         self._handing = 0
         self._handing_until = 0.0
         self.created = queue.now
-        self._skip = skip_steps and profile.decode_ctx_s_per_token == 0
+        # the steps' wandering speed, this engine's own draw of it (EngineProfile.step_noise)
+        noise = profile.noise_of(pool) if noise_seed is not None else ()
+        self._noise = StepNoise(noise, random.Random(f"{noise_seed}:{replica_id}")) if noise else None
+        self._skip = skip_steps and profile.decode_ctx_s_per_token == 0 and self._noise is None
         self._run: tuple[int, float, float, int] | None = None  # (k0, t0, step_s, steps)
         self._run_token = 0
         self.draining = False
@@ -303,6 +315,8 @@ class SimEngine:
         if self._handing and self._queue.now < self._handing_until:
             duration += p.handoff_s * self._handing
         self._handing = 0
+        if self._noise is not None:
+            duration *= self._noise.factor(self._queue.now, duration)
         self.busy = True
         self._step_started = self._queue.now
         if not chunks and self._skip and not held:

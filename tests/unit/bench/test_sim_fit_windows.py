@@ -120,3 +120,23 @@ def test_the_handoff_is_fitted_on_other_runs_prefill_engines(tmp_path):
     colocated = write_trace(tmp_path / "colocated", engine(0.010, 0.0, 50))
     with pytest.raises(ValueError, match="no prefill engine"):
         refit_script.handoff_of([colocated])
+
+
+def test_with_step_noise_each_metric_is_the_median_over_the_seeds_with_its_range():
+    measured = {"median_ttft_ms": 100.0, "p90_ttft_ms": 200.0}
+    sims = [{"median_ttft_ms": v, "p90_ttft_ms": 2 * v} for v in (90.0, 130.0, 110.0)]
+    row = validate.compare_seeds(sims, measured)
+    assert row["median_ttft_ms"]["sim"] == 110.0 and row["median_ttft_ms"]["sim_range"] == [90.0, 130.0]
+    assert row["p90_ttft_ms"]["error_pct"] == pytest.approx(10.0)
+    # one simulation (no noise): the plain comparison, no range
+    assert validate.compare_seeds(sims[:1], measured) == validate.compare(sims[0], measured)
+
+
+def test_the_gpu_validation_takes_the_median_of_the_seeded_runs():
+    gpu = load_script("sim_validate_gpu")
+    runs = [{"median_ttft_ms": t, "p90_ttft_ms": t, "median_tpot_ms": 8.0, "p90_tpot_ms": 9.0,
+             "request_throughput": 10.0, "slo_attainment": {"all": a}, "failed": f}
+            for t, a, f in ((50.0, 0.9, 0), (70.0, 0.7, 2), (60.0, 0.8, 0), (65.0, 0.95, 0))]
+    out = gpu.median_result(runs)
+    assert out["median_ttft_ms"] == 62.5 and out["slo_attainment"]["all"] == pytest.approx(0.85)
+    assert out["failed"] == 2 and out["request_throughput"] == 10.0
