@@ -18,7 +18,9 @@ averages within 0.5% of 1 (the CPU's fit, 40,000 simulated decode steps, six see
 model, fitted per step, wants. `fit_step_noise` fits the components to a trace: each step's log time less the
 mean of its kind (the same prompt tokens, decoding requests and, within 5%, context) is the
 average of the process over the step's own window (steps during which requests reached vLLM's
-scheduler are left out: admitting them is a cost the trace records, not noise), so the products of two steps' residuals have
+scheduler are left out: admitting them is a cost the trace records, not noise; a trace that does
+not record `arrived` gives no fit: on the H100 traces of sessions 11-12 the admissions passed for
+noise of 0.2 in log per 10 ms step and took 1P1D's TTFT 16-33% high), so the products of two steps' residuals have
 expectation sum_k var_k * c(tau_k; the two windows), where c is the covariance of two window
 averages of a unit process (`window_cov`). Two components, a grid of time constants, and
 non-negative least squares on the products of steps 0, 1, 2, 4, ... 512 apart.
@@ -97,8 +99,11 @@ def fit_step_noise(traces: Iterable[Sequence], min_steps: int = 200, min_kind: i
     columns = []  # per replica: (start, end, residual)
     for trace in traces:
         # Steps during which requests reached vLLM's scheduler ran longer by the time it took to
-        # admit them (pdserve.engine.step_trace.quiet_prefills): a cost, not noise; left out.
+        # admit them (pdserve.engine.step_trace.quiet_prefills): a cost, not noise; left out. A
+        # trace that does not record arrivals (before 2026-11-28) cannot tell them: no fit.
         arrivals = sorted(a for s in trace for a in s.arrived or ())
+        if not arrivals:
+            continue
         steps = [s for s in trace if s.busy_s and s.busy_s > 0
                  and not _admitting(arrivals, s.t - s.busy_s, s.t)]
         kinds: dict[tuple, list[int]] = {}

@@ -42,13 +42,16 @@ def drawn_trace(components, seed=0, steps=6000, kinds=((0, 1, 0.085), (0, 2, 0.0
     noise = StepNoise(components, random.Random(replica_seed if replica_seed is not None else seed))
     rng = random.Random(seed + 1)
     t, out = 0.0, []
-    for _ in range(steps):
+    for i in range(steps):
         tokens, decode, base = rng.choice(kinds) if rng.random() < 0.1 else kinds[0]
         busy = base * noise.factor(t, base)
+        # the requests a step starts reached the scheduler just before it (the trace records when)
+        arrived = [t - 0.0003] if tokens or i % 50 == 0 else None
         t += busy
         out.append(Step(t=t, prefill_tokens=tokens, prefill_reqs=1 if tokens else 0,
-                        decode_reqs=decode, busy_s=busy, pending=1, context_tokens=300))
-        t += idle
+                        decode_reqs=decode, busy_s=busy, pending=1, context_tokens=300,
+                        arrived=arrived))
+        t += max(idle, 0.0005)  # the engine core between steps
     return out
 
 
@@ -73,6 +76,22 @@ def test_steady_steps_have_no_noise_and_short_traces_no_fit():
     assert fit_step_noise([drawn_trace([(0.02, 0.2)], steps=150)]) is None
     untimed = [Step(t=s.t, prefill_tokens=0, prefill_reqs=0, decode_reqs=1) for s in steady]
     assert fit_step_noise([untimed]) is None  # traces from before busy_s
+
+
+def test_steps_that_admitted_requests_are_left_out_and_traces_without_arrivals_give_no_fit():
+    trace = drawn_trace([(0.02, 0.2)], steps=1000)
+    assert fit_step_noise([trace])["steps"] == 1000
+    # a request reached the scheduler during every fifth step: those steps do not count
+    admitting = [Step(**{**vars_of(s), "arrived": [s.t - s.busy_s / 2]}) if i % 5 == 0 else s
+                 for i, s in enumerate(trace)]
+    assert fit_step_noise([admitting])["steps"] == 800
+    # a trace that records no arrivals cannot tell admissions from noise
+    blind = [Step(**{**vars_of(s), "arrived": None}) for s in trace]
+    assert fit_step_noise([blind]) is None
+
+
+def vars_of(step):
+    return {k: getattr(step, k) for k in step.__slots__}
 
 
 def test_each_role_gets_its_own_fit_and_all_engines_one_together():
