@@ -56,8 +56,8 @@ at 20 req/s, 95% of the prefill engine's capacity, without it the simulated TTFT
 With a `noise_seed`, where the profile says the steps of the engine's pool wander
 (`EngineProfile.noise_of`), each step takes the model's time times a factor from the engine's own
 process (pdserve.engine.step_noise), seeded by the noise seed and the replica id, so a run repeats
-exactly. Every step is then its own event (no
-skipped runs of decode steps: they no longer take the same time).
+exactly. Every step is then its own event: decode steps no longer take the same time, so no run of
+them is skipped.
 """
 
 from __future__ import annotations
