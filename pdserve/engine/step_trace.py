@@ -378,7 +378,8 @@ def fit_prefill_only(traces: Iterable[list[Step]], min_steps: int = 10, min_per_
     prefill is bound by launching the step, not by its tokens. The line is fitted (least
     squares, once more without steps 5 median absolute deviations off) to the steps of the sizes
     whose median takes at least twice that. None with fewer than `min_steps` steps on the line,
-    or where they do not span two sizes.
+    or where they do not span two sizes. `quiet`: whether the traces recorded `arrived`, so that
+    the steps are the quiet ones (older traces count every step, bursts included).
 
     The general fit's prefill rate comes mostly from mixed steps (a prompt's chunk beside a
     decode batch) and its intercept from decode steps; a step with no decode batch costs
@@ -388,6 +389,7 @@ def fit_prefill_only(traces: Iterable[list[Step]], min_steps: int = 10, min_per_
     ms for 2048). A 1P1D prefill engine at 95% of its capacity queues very differently on the
     two. The line is the steps' own measure, not the queue's: at 20 req/s on that H100 it was
     within 0.5% of the prefill engine's steps, where 2% moves the median TTFT by a quarter."""
+    traces = list(traces)
     steps = quiet_prefills(traces)
     sizes: dict[int, list[float]] = {}
     for s in steps:
@@ -407,7 +409,9 @@ def fit_prefill_only(traces: Iterable[list[Step]], min_steps: int = 10, min_per_
     if coef[1] <= 0:
         return None
     return {"step_s": round(max(float(coef[0]), 0.0), 6), "tokens_per_s": round(1.0 / float(coef[1]), 1),
-            "floor_s": round(floor, 6), "steps": len(y)}
+            "floor_s": round(floor, 6), "steps": len(y),
+            # the trace told the quiet steps (it records `arrived`): the line is the prefill's own
+            "quiet": any(s.arrived for trace in traces for s in trace)}
 
 
 def fit_handoff(traces: Iterable[list[Step]], min_steps: int = 10) -> float | None:

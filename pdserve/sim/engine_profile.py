@@ -16,7 +16,10 @@ left out, since the fitted per-request slope already carries the trace's average
 `decode_step_s` is the fixed cost of any step (scheduling, kernel launches), so a pure prefill
 step costs `decode_step_s + tokens / rate`, unless the trace measured steps that only prefill
 apart (`prefill_only_s`: their own line, and a floor under it for short prompts, bound by
-launching the step; pdserve.engine.step_trace.fit_prefill_only). A single request's measured
+launching the step; pdserve.engine.step_trace.fit_prefill_only). Where that line came from
+quiet steps (the trace recorded arrivals: `mixed_prefill_only`), a mixed step prices its prefill
+by it too: the line plus the decode batch's per-request and context cost, and no less than a
+step that decodes alone. A single request's measured
 TTFT is that plus the response path (HTTP, the frontend, vLLM's input processing, streaming),
 which does not occupy the engine: `response_s = max(0, prefill_overhead_s - decode_step_s)` is
 added to every token a client sees, or, where the lone TTFTs less the engine's own prefills grow
@@ -71,6 +74,9 @@ class EngineProfile:
     prefill_only_step_s: float = 0.0
     prefill_only_tokens_per_s: float = 0.0
     prefill_only_floor_s: float = 0.0
+    # a mixed step (prefill beside a decode batch) prices its prefill by that line too, where the
+    # line came from quiet steps (`step_s`)
+    mixed_prefill_only: bool = False
     # the response path as a line in the prompt's tokens (`response_of`); None: the constant
     # `response_s` the PerfModel gives
     response_fixed_s: float | None = None
@@ -122,9 +128,13 @@ class EngineProfile:
         if batch <= 0 and self.prefill_only_tokens_per_s > 0:
             return self.prefill_only_s(prefill_tokens)
         p = self.perf
-        return (p.decode_step_s + p.decode_step_per_seq_s * batch
-                + prefill_tokens / p.prefill_tokens_per_s
-                + self.decode_ctx_s_per_token * context_tokens)
+        decode = p.decode_step_per_seq_s * batch + self.decode_ctx_s_per_token * context_tokens
+        if prefill_tokens > 0 and self.mixed_prefill_only and self.prefill_only_tokens_per_s > 0:
+            # the prefill-only line plus what the decode batch adds, and never less than a step
+            # that decodes alone
+            return max(self.prefill_only_step_s + prefill_tokens / self.prefill_only_tokens_per_s,
+                       p.decode_step_s) + decode
+        return p.decode_step_s + decode + prefill_tokens / p.prefill_tokens_per_s
 
     def prefill_only_s(self, tokens: int) -> float:
         """A step that prefills `tokens` and decodes nothing: its line, and at least its floor
@@ -180,6 +190,7 @@ class EngineProfile:
             fields["prefill_only_step_s"] = float(only["step_s"])
             fields["prefill_only_tokens_per_s"] = float(only["tokens_per_s"])
             fields["prefill_only_floor_s"] = float(only.get("floor_s", 0.0))
+            fields["mixed_prefill_only"] = bool(only.get("quiet", False))
         noise = step_fit.get("noise")
         if noise:
             fields["step_noise"] = {pool: tuple((float(v), float(tau)) for v, tau in fit["components"])

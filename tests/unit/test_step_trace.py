@@ -387,7 +387,9 @@ def prefill_only_trace(per_size: int = 4) -> list[Step]:
 def test_the_prefill_only_line_is_fitted_above_twice_its_floor():
     fit = step_trace.fit_prefill_only([prefill_only_trace()])
     assert fit == {"step_s": pytest.approx(0.002, abs=1e-6), "tokens_per_s": pytest.approx(43000.0),
-                   "floor_s": 0.013, "steps": 12}
+                   "floor_s": 0.013, "steps": 12, "quiet": False}  # no arrivals: all steps count
+    told = [replace(s, arrived=[s.t - s.busy_s - 0.001]) for s in prefill_only_trace()]
+    assert step_trace.fit_prefill_only([told]) == {**fit, "quiet": True}
     assert step_trace.fit_prefill_only([prefill_only_trace(per_size=3)]) is None  # 9 < 10 steps
     one_size = [s for s in prefill_only_trace(per_size=6) if s.prefill_tokens in (16, 8192)]
     assert step_trace.fit_prefill_only([one_size]) is None

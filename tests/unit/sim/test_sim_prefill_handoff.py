@@ -38,6 +38,28 @@ def test_a_step_that_only_prefills_takes_its_own_line_and_floor(profile):
         "step_s": 0.002, "tokens_per_s": 4000.0, "floor_s": 0.013, "steps": 12}}})
     assert fitted.step_s(200, 0) == pytest.approx(0.052) and fitted.step_s(16, 0) == pytest.approx(0.013)
     assert fitted.step_s(200, 1) == pytest.approx(0.006 + 0.001 + 200 / 44000)
+    assert not fitted.mixed_prefill_only
+
+
+def test_a_mixed_step_prices_its_prefill_by_a_line_from_quiet_steps(profile):
+    mixed = profile.with_(prefill_only_step_s=0.002, prefill_only_tokens_per_s=4000.0,
+                          prefill_only_floor_s=0.013, mixed_prefill_only=True)
+    # the line, plus 1 ms per decoding request (not the general line's 10 ms + tokens / 1000)
+    assert mixed.step_s(200, 1) == pytest.approx(0.002 + 0.050 + 0.001)
+    assert mixed.step_s(200, 0) == pytest.approx(0.052)  # a prefill-only step: as before
+    assert mixed.step_s(0, 4) == pytest.approx(0.014)  # decodes alone: as before
+    # a small chunk beside decodes never costs less than decoding alone (10 ms fixed)
+    assert mixed.step_s(8, 4) == pytest.approx(0.010 + 0.004)
+    ctx = mixed.with_(decode_ctx_s_per_token=1e-6)
+    assert ctx.step_s(200, 2, 1000) == pytest.approx(0.052 + 0.002 + 0.001)
+    # from a profile: only where the line came from quiet steps (the trace recorded arrivals)
+    only = {"step_s": 0.002, "tokens_per_s": 4000.0, "floor_s": 0.013, "steps": 12}
+    for quiet in (True, False):
+        fitted = EngineProfile.from_json({**BASE, "step_fit": {**FIT, "prefill_only": {
+            **only, "quiet": quiet}}})
+        assert fitted.mixed_prefill_only is quiet
+        general = 0.006 + 0.001 + 200 / 44000
+        assert fitted.step_s(200, 1) == pytest.approx(0.053 if quiet else general)
 
 
 def test_the_response_line_goes_through_the_lone_ttfts_less_the_engines_prefills():
