@@ -101,13 +101,10 @@ def run_rate(arm: Arm, row: dict, profile: Path, frontend_tokens_per_s: float = 
     sims, commands = {}, []
     for target in TPOT_TARGETS_MS:
         command = base + ["--goodput", f"ttft:{TTFT_TARGET_MS:g}", f"tpot:{target:g}"]
-        if not noise_seeds:
-            commands.append(" ".join(shlex.quote(c) for c in command[1:]))
-            sims[target] = simulate(command)
-            continue
-        seeded = [command + ["--step-noise", str(seed)] for seed in range(noise_seeds)]
+        seeded = [command + ["--step-noise", str(seed)] for seed in range(noise_seeds)] or [command]
         commands += [" ".join(shlex.quote(c) for c in c_[1:]) for c_ in seeded]
-        sims[target] = median_result([simulate(c_) for c_ in seeded])
+        runs = [simulate(c_) for c_ in seeded]
+        sims[target] = median_result(runs) if noise_seeds else runs[0]
     sim = sims[TPOT_TARGETS_MS[0]]
     bench = row["bench"]
     metrics = {k: _pair(bench[k], sim[k]) for k in LATENCY_KEYS}

@@ -107,7 +107,7 @@ def fit_step_noise(traces: Iterable[Sequence], min_steps: int = 200, min_kind: i
         if not arrivals:
             continue
         steps = [s for s in trace if s.busy_s and s.busy_s > 0
-                 and not _admitting(arrivals, s.t - s.busy_s, s.t)]
+                 and not admitting(arrivals, s.t - s.busy_s, s.t)]
         kinds: dict[tuple, list[int]] = {}
         for i, s in enumerate(steps):
             context = round(math.log1p(s.context_tokens or 0) * 20)
@@ -141,32 +141,35 @@ def fit_step_noise(traces: Iterable[Sequence], min_steps: int = 200, min_kind: i
             if slow < 2 * fast:
                 continue
             x = np.column_stack([features[fast], features[slow]])
-            for weights, taus in _nonnegative(x, y, (fast, slow)):
-                sse = float(((x @ weights - y) ** 2).sum()) if len(weights) == 2 else float(
-                    ((features[taus[0]] * weights[0] - y) ** 2).sum())
+            for weights in _nonnegative(x, y):
+                sse = float(((x @ weights - y) ** 2).sum())
                 if best is None or sse < best[0]:
-                    best = (sse, [[float(w), t] for w, t in zip(weights, taus, strict=True)
+                    best = (sse, [[float(w), t] for w, t in zip(weights, (fast, slow), strict=True)
                                   if w >= min_var])
     if best is None or not best[1]:
         return None
     return {"components": best[1], "steps": int(sum(len(c[2]) for c in columns))}
 
 
-def _admitting(arrivals: list[float], start: float, end: float) -> bool:
+def admitting(arrivals: list[float], start: float, end: float) -> bool:
+    """Whether a request reached vLLM's scheduler during a step from `start` to `end` (`arrivals`
+    sorted): such a step ran longer by admitting it (step_trace.quiet_prefills)."""
     i = bisect.bisect_right(arrivals, start)
     return i < len(arrivals) and arrivals[i] < end
 
 
-def _nonnegative(x: np.ndarray, y: np.ndarray, taus: tuple[float, float]):
-    """Candidate non-negative least-squares solutions over two columns: both, or either alone."""
+def _nonnegative(x: np.ndarray, y: np.ndarray):
+    """Candidate non-negative least-squares weights of two columns: both, or either alone (the
+    other's weight 0)."""
     both = np.linalg.lstsq(x, y, rcond=None)[0]
     if (both > 0).all():
-        yield both, taus
+        yield both
         return
     for k in (0, 1):
         col = x[:, k]
-        w = max(float(col @ y) / float(col @ col), 0.0)
-        yield np.array([w]), (taus[k],)
+        weights = np.zeros(2)
+        weights[k] = max(float(col @ y) / float(col @ col), 0.0)
+        yield weights
 
 
 class StepNoise:

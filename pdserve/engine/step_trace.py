@@ -69,7 +69,6 @@ context, as before.
 
 from __future__ import annotations
 
-import bisect
 import json
 import tarfile
 from collections.abc import Iterable, Mapping
@@ -79,7 +78,7 @@ from typing import IO
 
 import numpy as np
 
-from pdserve.engine.step_noise import fit_noise_by_role
+from pdserve.engine.step_noise import admitting, fit_noise_by_role
 
 SUFFIX = ".steps.jsonl"
 # A disaggregated prefill engine's requests are pulled by their decode engine within this of
@@ -342,10 +341,9 @@ def quiet_prefills(traces: Iterable[list[Step]]) -> list[Step]:
     for trace in traces:
         arrivals = sorted(a for s in trace for a in s.arrived or ())
         for s in trace:
-            if s.busy_s and s.prefill_tokens > 0 and s.decode_reqs == 0:
-                i = bisect.bisect_right(arrivals, s.t - s.busy_s)
-                if i == len(arrivals) or arrivals[i] >= s.t:  # none came during it
-                    quiet.append(s)
+            if (s.busy_s and s.prefill_tokens > 0 and s.decode_reqs == 0
+                    and not admitting(arrivals, s.t - s.busy_s, s.t)):
+                quiet.append(s)
     return quiet
 
 
