@@ -12,6 +12,10 @@ With step noise (`--noise-seeds K`): each run is simulated K times, its steps wa
 profile's step trace showed (`step_fit.noise`, pdserve.engine.step_noise), and each metric's
 median over the K is compared; the lowest and highest simulated values are kept (`sim_range`).
 
+On one host (`--shared-host`): the engines ran on one machine, and where the fit found them
+slowing each other (`step_fit.interference`, pdserve.engine.step_interference) a simulated step
+that starts while the other engine runs one takes longer (`SimConfig.shared_host`).
+
 Fitted under load (`--fit-trace DIR --fit-run RUN.json...`): the profile's `step_fit` is refitted
 on the engines' step traces (`--step-trace` of sim_profile_cpu.py) recorded during the given
 runs, and every --measured run is predicted with it; the runs not fitted on are held out (the
@@ -155,7 +159,8 @@ def cpu(args: argparse.Namespace) -> list[dict]:
         measured = json.loads(Path(path).read_text())
         slo = SLOTargets(**{f"{k}_ms": v for k, v in (measured.get("goodput_slos") or {}).items()})
         seeds = range(args.noise_seeds) if args.noise_seeds else [None]
-        results = [bench_result(simulate(SimConfig(profile, topology(args.arm), step_noise=seed),
+        results = [bench_result(simulate(SimConfig(profile, topology(args.arm), step_noise=seed,
+                                                   shared_host=args.shared_host),
                                          replay(measured)), slo, percentiles=(50, 90, 99))
                    for seed in seeds]
         fitted_on = str(path) in {str(p) for p in args.fit_run}
@@ -273,6 +278,9 @@ def main() -> int:
                         help="simulate each run K times with the profile's step noise on (seeds "
                         "0..K-1: pdserve.engine.step_noise) and compare the median of each metric; "
                         "its range over the seeds is kept (sim_range)")
+    parser.add_argument("--shared-host", action="store_true",
+                        help="the engines shared the machine: steps beside the other engine's take "
+                        "longer where the fit found it (step_fit.interference)")
     parser.add_argument("--gpu", type=Path, help="calibration JSON with a serving table")
     parser.add_argument("--gpu-prompts", type=int, default=1000)
     parser.add_argument("--out", type=Path, required=True)

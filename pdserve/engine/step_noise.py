@@ -31,8 +31,9 @@ and took 1P1D's TTFT 16-33% high.
 the value at its end and the average over it (both Gaussian given the start; `_bridge`), so the
 process runs in virtual time, idle gaps included, at two draws per component and step.
 
-Not modelled: two engines on one host slowing each other (on the CPU, decode steps 6-9% slower
-while the prefill engine prefills); each engine's process is its own. GPU steps wander little
+Each engine's process is its own. Two engines of one host slowing each other (on the CPU, decode
+steps 11% slower while the prefill engine prefills) is pdserve.engine.step_interference; its
+slowdown is in the residuals fitted here too. GPU steps wander little
 (0.001-0.011 in log variance per 10-16 ms on the H100 traces that record arrivals).
 """
 

@@ -78,6 +78,7 @@ from typing import IO
 
 import numpy as np
 
+from pdserve.engine.step_interference import fit_interference
 from pdserve.engine.step_noise import admitting, fit_noise_by_role
 
 SUFFIX = ".steps.jsonl"
@@ -222,6 +223,9 @@ class StepFit:
     # "colocated"): {"components": [[var, tau_s], ...], "steps"} (pdserve.engine.step_noise);
     # None: too few steps timed alone
     noise: dict | None = None
+    # engines of the traces' host slowing each other, by role: {"slowdown", "shared", "steps"}
+    # (pdserve.engine.step_interference); None: one engine, or too few steps to tell
+    interference: dict | None = None
 
     def to_json(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -520,7 +524,8 @@ def fit_replicas(traces: Mapping[str, list[Step]]) -> StepFit:
                    lookahead_s=lookahead_of([*others, *decode]),
                    prefill_only=fit_prefill_only(rest),
                    handoff_s=fit_handoff(prefill) if prefill else None,
-                   noise=fit_noise_by_role(traces))
+                   noise=fit_noise_by_role(traces),
+                   interference=fit_interference(traces))
 
 
 def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

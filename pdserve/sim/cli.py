@@ -78,6 +78,9 @@ def _add_commands(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--step-noise", type=int, nargs="?", const=0, metavar="SEED",
                      help="steps wander as the profile's step trace showed (step_fit.noise), "
                      "drawn from SEED (default 0); off: every step takes the model's time")
+    run.add_argument("--shared-host", action="store_true",
+                     help="every engine on one host (a CPU box): steps that run beside another "
+                     "engine's take longer, as the profile's step trace showed (step_fit.interference)")
     run.add_argument("--save-result", type=Path, help="result JSON (harness keys + simulation)")
     run.add_argument("--plot-dir", type=Path, help="write pool-size and latency plots here")
     run.set_defaults(handler=_run)
@@ -224,6 +227,8 @@ def _percentiles(args: argparse.Namespace) -> tuple[float, ...]:
 def _run(args: argparse.Namespace) -> int:
     if args.sim_mode == "fluid":
         return _run_fluid(args)
+    if args.shared_host and args.cells != 1:
+        raise SystemExit("--shared-host puts every engine on one host: leave --cells at 1")
     profile = load_profile(args)
     slo, goodput = _slos(args)
     topology = build_topology(args)
@@ -233,6 +238,7 @@ def _run(args: argparse.Namespace) -> int:
     config = SimConfig(profile, cell.topology, slo, scaling=ScalingPolicy(
         target_utilization=args.target_utilization), autoscale_interval_s=args.autoscale_interval_s,
         record_itls=args.record_itls, keep_requests=not large, step_noise=args.step_noise,
+        shared_host=args.shared_host,
         max_gpus=None if args.max_gpus is None else max(1, args.max_gpus // args.cells))
     sim = Simulation(config)
     recorder = None
@@ -261,6 +267,8 @@ def _run_fluid(args: argparse.Namespace) -> int:
         raise SystemExit("--sim-mode fluid simulates every engine: leave --cells at 1")
     if args.step_noise is not None:
         raise SystemExit("--sim-mode fluid has no engine steps to vary: leave out --step-noise")
+    if args.shared_host:
+        raise SystemExit("--sim-mode fluid has no engine steps to slow: leave out --shared-host")
     profile = load_profile(args)
     slo, goodput = _slos(args)
     config = SimConfig(profile, build_topology(args), slo, scaling=ScalingPolicy(

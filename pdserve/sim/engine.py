@@ -58,6 +58,12 @@ With a `noise_seed`, where the profile says the steps of the engine's pool wande
 process (pdserve.engine.step_noise), seeded by the noise seed and the replica id, so a run repeats
 exactly. Every step is then its own event: decode steps no longer take the same time, so no run of
 them is skipped.
+
+With `host` (the engines of a host, this one among them) and a profile that measured engines of
+one host slowing each other (`EngineProfile.interference` for the engine's pool), a step that
+starts while another engine of the host is running one takes the model's time times the shared
+factor, any other step the lone one (pdserve.engine.step_interference). Steps then differ with
+the other engines' work, so no run of them is skipped either.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ from collections import deque
 from collections.abc import Callable
 from functools import partial
 
+from pdserve.engine.step_interference import interference_factors
 from pdserve.engine.step_noise import StepNoise
 from pdserve.sim.engine_profile import EngineProfile
 from pdserve.sim.events import EventQueue
@@ -115,7 +122,7 @@ class SimEngine:
                  on_pulled: Callable[[SimRequest, SimEngine], None],
                  on_idle: Callable[[SimEngine], None] | None = None,
                  record_steps: bool = False, skip_steps: bool = True,
-                 noise_seed: int | None = None) -> None:
+                 noise_seed: int | None = None, host: list[SimEngine] | None = None) -> None:
         self.replica_id = replica_id
         self.pool = pool
         self.profile = profile
@@ -149,7 +156,12 @@ class SimEngine:
         # the steps' wandering speed, this engine's own draw of it (EngineProfile.step_noise)
         noise = profile.noise_of(pool) if noise_seed is not None else ()
         self._noise = StepNoise(noise, random.Random(f"{noise_seed}:{replica_id}")) if noise else None
-        self._skip = skip_steps and profile.decode_ctx_s_per_token == 0 and self._noise is None
+        # the engines this one shares a host with, where they slow each other's steps
+        shared = profile.interference.get(pool) if host is not None else None
+        self._host = host if shared else None
+        self._alone, self._shared = interference_factors(*shared) if shared else (1.0, 1.0)
+        self._skip = (skip_steps and profile.decode_ctx_s_per_token == 0 and self._noise is None
+                      and self._host is None)
         self._run: tuple[int, float, float, int] | None = None  # (k0, t0, step_s, steps)
         self._run_token = 0
         self.draining = False
@@ -315,6 +327,9 @@ class SimEngine:
         if self._handing and self._queue.now < self._handing_until:
             duration += p.handoff_s * self._handing
         self._handing = 0
+        if self._host is not None:
+            busy = any(e.busy for e in self._host if e is not self)
+            duration *= self._shared if busy else self._alone
         if self._noise is not None:
             duration *= self._noise.factor(self._queue.now, duration)
         self.busy = True

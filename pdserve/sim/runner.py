@@ -92,6 +92,10 @@ class SimConfig:
     # The engines' steps wander as the profile's trace showed (EngineProfile.step_noise), drawn
     # from this seed; None: every step takes the model's time (deterministic, the default).
     step_noise: int | None = None
+    # Every engine on one host (the CPU box): where the profile measured engines of a host
+    # slowing each other (EngineProfile.interference), a step started while another engine runs
+    # one takes longer. False: each engine has its host to itself (GPUs, the default).
+    shared_host: bool = False
     keep_requests: bool = True  # per-request outcomes (off: only streaming summaries)
     # "pdserve": the production Autoscaler; "ttft_only": the reactive baseline (baselines.py).
     autoscaler: str = "pdserve"
@@ -165,7 +169,8 @@ class Simulation:
         p = self.config.profile
         engine = SimEngine(rid, pool, p, self.queue, self._first_token, self._finished,
                            self._kv_changed, self._stepped, self._pulled, self._maybe_remove,
-                           self.config.record_itls, self.config.skip_steps, self.config.step_noise)
+                           self.config.record_itls, self.config.skip_steps, self.config.step_noise,
+                           host=self._all_engines if self.config.shared_host else None)
         engine.draining = False
         self._engines[pool][rid] = engine
         self._all_engines.append(engine)
