@@ -1,12 +1,11 @@
 """Engines of one host slowing each other in the simulator (EngineProfile.interference,
 SimConfig.shared_host): a step started while another engine runs one takes the shared factor."""
 
-import json
 import math
 
 import pytest
 
-from conftest import workload
+from conftest import sim_cli, workload
 from pdserve.sim import cli
 from pdserve.sim.engine_profile import EngineProfile
 from pdserve.sim.runner import SimConfig, Topology, simulate
@@ -70,22 +69,8 @@ def test_a_profile_reads_its_interference_by_pool():
 
 
 def test_the_cli_puts_engines_on_one_host_and_refuses_it_where_it_cannot(tmp_path):
-    prof = tmp_path / "p.json"
-    prof.write_text(json.dumps({
-        "prefill_tokens_per_s": 1000, "ttft_single_ms": {"100": 150},
-        "tpot_ms_by_batch": {"1": 11, "2": 12}, "kv_bytes_per_token": 1000, "num_kv_blocks": 1000,
-        "block_size": 16, "startup_s": 5,
-        "step_fit": {"decode_step_s": 0.01, "decode_step_per_seq_s": 0.001,
-                     "prefill_tokens_per_s": 1000, "steps": 900, "mixed_steps": 10,
-                     "residual_p50_s": 0.001,
-                     "interference": {"decode": {"slowdown": 0.3, "shared": 0.2, "steps": 90}}}}))
-    base = ["run", "--profile", str(prof), "--prefill", "1", "--decode", "1", "--num-prompts", "30",
-            "--request-rate", "2", "--random-input-len", "100", "--random-output-len", "8"]
-
-    def tpot(*extra):
-        out = tmp_path / "r.json"
-        assert cli.main([*base, *extra, "--save-result", str(out)]) == 0
-        return json.loads(out.read_text())["mean_tpot_ms"]
+    base, tpot = sim_cli(tmp_path,
+                         interference={"decode": {"slowdown": 0.3, "shared": 0.2, "steps": 90}})
 
     assert tpot("--shared-host") != tpot()
     with pytest.raises(SystemExit, match="cells"):

@@ -1,12 +1,11 @@
 """Step noise in the simulator: read from a profile's step fit by pool, off unless asked for,
 seeded, and each pool's own."""
 
-import json
 
 import numpy as np
 import pytest
 
-from conftest import PERF, workload
+from conftest import PERF, sim_cli, workload
 from pdserve.sim import cli
 from pdserve.sim.engine_profile import EngineProfile
 from pdserve.sim.runner import SimConfig, Topology, simulate
@@ -70,21 +69,7 @@ def test_each_pool_draws_its_own_noise(profile):
 
 
 def test_the_cli_turns_noise_on_with_a_seed_and_refuses_it_in_fluid_mode(tmp_path):
-    prof = tmp_path / "p.json"
-    prof.write_text(json.dumps({
-        "prefill_tokens_per_s": 1000, "ttft_single_ms": {"100": 150},
-        "tpot_ms_by_batch": {"1": 11, "2": 12}, "kv_bytes_per_token": 1000, "num_kv_blocks": 1000,
-        "block_size": 16, "startup_s": 5,
-        "step_fit": {"decode_step_s": 0.01, "decode_step_per_seq_s": 0.001,
-                     "prefill_tokens_per_s": 1000, "steps": 900, "mixed_steps": 10,
-                     "residual_p50_s": 0.001, "noise": NOISE}}))
-    base = ["run", "--profile", str(prof), "--prefill", "1", "--decode", "1", "--num-prompts", "30",
-            "--request-rate", "2", "--random-input-len", "100", "--random-output-len", "8"]
-
-    def tpot(*extra):
-        out = tmp_path / "r.json"
-        assert cli.main([*base, *extra, "--save-result", str(out)]) == 0
-        return json.loads(out.read_text())["mean_tpot_ms"]
+    base, tpot = sim_cli(tmp_path, noise=NOISE)
 
     assert tpot() == tpot()
     assert tpot("--step-noise") == tpot("--step-noise", "0") != tpot()
