@@ -32,7 +32,7 @@ from pdserve.sim.results import LatencyRecorder, run_json  # noqa: E402
 from pdserve.sim.runner import SimConfig, Simulation, Topology  # noqa: E402
 from pdserve.sim.workload import RateCurve, at_rate, bursty, from_curve  # noqa: E402
 
-CALIBRATION = Path(__file__).resolve().parents[2] / "shared/calibration/h200-vllm0.24-llama8b.json"
+CALIBRATION = Path(__file__).resolve().parent / "profiles/h200-vllm0.24-llama8b.json"
 METRICS = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p90_tpot_ms",
            "p99_tpot_ms", "attainment", "request_goodput", "gpu_hours")
 SLO = SloTargets(0.1, 0.008)  # tight enough that attainment is not trivially 1 (H200: ~40 ms / 6 ms)

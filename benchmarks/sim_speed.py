@@ -37,7 +37,7 @@ from pdserve.sim.results import LatencyRecorder  # noqa: E402
 from pdserve.sim.runner import SimConfig, Simulation, Topology  # noqa: E402
 from pdserve.sim.workload import at_rate  # noqa: E402
 
-CALIBRATION = Path(__file__).resolve().parents[2] / "shared/calibration/h200-vllm0.24-llama8b.json"
+CALIBRATION = Path(__file__).resolve().parent / "profiles/h200-vllm0.24-llama8b.json"
 TARGET_REQUESTS = 10_000 * 86_400
 TARGET_GPUS = 1000
 
