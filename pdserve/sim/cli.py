@@ -6,7 +6,7 @@ Workload flags keep the benchmark harness's names (`--dataset-name`, `--random-i
 `--num-prompts`, `--request-rate`, `--burstiness`, `--goodput`, `--save-result`), plus what only
 a simulation needs: rate curves over a day, a topology, an engine profile.
 
-    pdserve sim run --profile ../shared/calibration/h200-vllm0.24-llama8b.json \
+    pdserve sim run --profile benchmarks/profiles/h200-vllm0.24-llama8b.json \
         --prefill 2 --decode 4 --dataset-name chat --num-prompts 20000 --request-rate 40 \
         --ttft-ms 500 --tpot-ms 50 --save-result out.json --plot-dir plots/
     pdserve sim search --profile ... --dataset-name chat --num-prompts 5000 --request-rate 30 \
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,7 @@ def _add_commands(parser: argparse.ArgumentParser) -> None:
 def _profile_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine profile")
     g.add_argument("--profile", type=Path, required=True,
-                   help="calibration/profile JSON (e.g. ../shared/calibration/h200-vllm0.24-llama8b.json)")
+                   help="calibration/profile JSON (e.g. benchmarks/profiles/h200-vllm0.24-llama8b.json)")
     g.add_argument("--num-kv-blocks", type=int, help="override the profile's KV blocks per engine")
     g.add_argument("--block-size", type=int)
     g.add_argument("--max-num-batched-tokens", type=int)
@@ -250,6 +251,7 @@ def _run(args: argparse.Namespace) -> int:
                     dataset_name=args.dataset_name, request_rate=args.request_rate,
                     burstiness=args.burstiness)
     body = scale_totals(body, args.cells)
+    body["command"] = _command_line(args)
     _print_summary(body)
     if args.save_result:
         save_json(body, args.save_result)
@@ -292,6 +294,7 @@ def _run_fluid(args: argparse.Namespace) -> int:
         arrivals = WorkloadArrivals(build_workload(args))
     run = FluidSimulation(config, fluid, goodput).run(arrivals)
     body = run.summary(_percentiles(args))
+    body["command"] = _command_line(args)
     _print_summary(body)
     if args.save_result:
         save_json(body, args.save_result)
@@ -334,7 +337,8 @@ def _search(args: argparse.Namespace) -> int:
 
     best, trials = search_static(base, workload, goodput, args.attainment, args.max_engines,
                                  not args.no_colocated, not args.no_disaggregated, log)
-    out: dict[str, Any] = {"goal": args.attainment, "goodput_slos": goodput.as_dict(),
+    out: dict[str, Any] = {"command": _command_line(args), "goal": args.attainment,
+                           "goodput_slos": goodput.as_dict(),
                            "best_static": best.as_dict() if best else None,
                            "trials": [t.as_dict() for t in trials]}
     if best is None:
@@ -356,8 +360,17 @@ def _search(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command_line(args: argparse.Namespace) -> str:
+    """How this result was made, for the saved JSON: the command as typed, or as `main` got it."""
+    given = getattr(args, "argv", None)
+    if given is not None:
+        return shlex.join(["pdserve", "sim", *given])
+    return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = argv
     return args.handler(args) or 0
 
 

@@ -56,4 +56,28 @@ def test_cli_run_writes_a_harness_keyed_result(tmp_path, capsys):
     assert code == 0
     body = json.loads(out.read_text())
     assert body["completed"] == 30 and body["simulation"]["topology"] == "1P1D"
+    assert body["command"].startswith("pdserve sim run --profile ")
+    assert body["command"].endswith(f"--save-result {out}")
     assert "median_ttft_ms" in body and body["slo_attainment"]["all"] > 0
+
+
+def test_cli_search_writes_the_winner_every_trial_and_its_command(tmp_path, capsys):
+    import json
+
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"prefill_tokens_per_s": 1000, "ttft_single_ms": {"100": 150},
+                                "tpot_ms_by_batch": {"1": 11, "2": 12}, "kv_bytes_per_token": 1000,
+                                "num_kv_blocks": 1000, "block_size": 16, "startup_s": 5}))
+    out = tmp_path / "s.json"
+    argv = ["search", "--profile", str(prof), "--num-prompts", "200", "--request-rate", "4",
+            "--random-input-len", "250", "--random-output-len", "10", "--ttft-ms", "500",
+            "--tpot-ms", "50", "--attainment", "0.9", "--max-engines", "3", "--no-disaggregated",
+            "--save-result", str(out)]
+    assert cli.main(argv) == 0
+    body = json.loads(out.read_text())
+    assert body["command"] == "pdserve sim " + " ".join(argv)
+    assert body["goal"] == 0.9
+    names = [t["topology"] for t in body["trials"]]
+    assert body["best_static"]["topology"] in names and names[0] == "colocated x1"
+    assert body["best_static"]["attainment"] >= 0.9
+    assert "cheapest static: " + body["best_static"]["topology"] in capsys.readouterr().out
