@@ -77,7 +77,7 @@ for part in "$@"; do
       n=$(nvidia-smi -L | wc -l)
       # The router's seed model: this host's engine if `profile` ran, else the H200 calibration
       # (either way refitted online from the first requests).
-      seed=$out/profile.json; [[ -s $seed ]] || seed=benchmarks/gpu/h200-vllm0.24-llama8b.json
+      seed=$out/profile.json; [[ -s $seed ]] || seed=benchmarks/profiles/h200-vllm0.24-llama8b.json
       python3 benchmarks/autoscale_burst.py --engine vllm --model "$model" --out "$out/ramp" \
         --ttft-ms 500 --tpot-ms 20 --prompt-tokens 2048 --output-tokens 256 --vocab-size 30000 \
         --phases "${RAMP_PHASES:-6:40:low,14:40:mid,26:100:high,6:60:after}" \
