@@ -35,6 +35,10 @@
 #   2c  two plain vLLM engines behind round robin at 4-18 req/s
 #   2d  the fixed engine profile on GPU 1 (the simulator's input)
 #   2e  the 20 ms knee: colocated x2 at 20-26 req/s, then 1P1D at 20
+# Steps for a one-GPU host (the simulator's held-out check on a GPU it has not seen):
+#   1a  the engine profile on GPU 0 (with its step trace)
+#   1b  colocated x1 at 4-12 req/s with step traces (the two-GPU arms' per-engine rates, the
+#       seeds of every earlier run); run it twice for a repeat on the same arrivals
 # As run on 2026-11-26 on 2 x H100 (benchmarks/results/gpu/2026-11-26-h100-x2/): 2a, 2b, 2c, 2e.
 # As run on 2026-11-27 on 4 x H100 (benchmarks/results/gpu/2026-11-27-h100-x4/): i, g, h, then
 # colocated x4 at 44 and 48 req/s (`PROOF_BUDGET_S=215 proof.sh gpumodel8b arm:colocated-4:44,48`).
@@ -48,7 +52,7 @@
 # Each stream's console goes to $OUT/STEP-STREAM.log; everything is packed into $OUT/STEP.tar.
 # Rates are total req/s; an arm stops after the first rate where no TPOT target reaches 50%.
 set -uo pipefail
-model=${1:?usage: x4.sh MODEL_DIR STEP}; step=${2:?step a to m or 2a to 2e}
+model=${1:?usage: x4.sh MODEL_DIR STEP}; step=${2:?step a to m, 2a to 2e or 1a, 1b}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH=/tmp/site2:/tmp/site:$PWD
@@ -114,6 +118,12 @@ case $step in
       PROOF_BUDGET_S=185 proof arm:disagg:20" ;;
   2d)
     stream x bash -c "$(declare -f proof); here=$here model=$model; PROFILE_GPU=1 proof profile" ;;
+  1a)
+    stream x bash -c "$(declare -f proof); here=$here model=$model; PROFILE_GPU=0 proof profile" ;;
+  1b)
+    export PROOF_STEP_TRACE=$out
+    stream x bash -c "$(declare -f proof); here=$here model=$model
+      PROOF_BUDGET_S=330 proof arm:colocated-1:4,6,8,10,12" ;;
   f)
     stream x bash -c "$(declare -f proof); here=$here model=$model
       PROOF_BUDGET_S=500 proof arm:colocated-4:12,16,20,24,28,32,36" ;;
