@@ -25,19 +25,27 @@ def profile():
                          max_num_batched_tokens=512, startup_s=30.0, name="hand")
 
 
+def hand_profile_json(tmp_path, step_fit: dict | None = None):
+    """A profile JSON as `pdserve sim profile` writes it, with round numbers (and `step_fit`'s
+    keys over a hand step fit, when given): its path."""
+    data = {"prefill_tokens_per_s": 1000, "ttft_single_ms": {"100": 150},
+            "tpot_ms_by_batch": {"1": 11, "2": 12}, "kv_bytes_per_token": 1000, "num_kv_blocks": 1000,
+            "block_size": 16, "startup_s": 5}
+    if step_fit is not None:
+        data["step_fit"] = {"decode_step_s": 0.01, "decode_step_per_seq_s": 0.001,
+                            "prefill_tokens_per_s": 1000, "steps": 900, "mixed_steps": 10,
+                            "residual_p50_s": 0.001, **step_fit}
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(data))
+    return prof
+
+
 def sim_cli(tmp_path, **step_fit):
     """`pdserve sim run` on a hand profile JSON whose step fit has `step_fit`'s extra keys: (its
     1P1D command line, a function that runs it with more flags and gives the mean TPOT in ms)."""
     from pdserve.sim import cli
 
-    prof = tmp_path / "p.json"
-    prof.write_text(json.dumps({
-        "prefill_tokens_per_s": 1000, "ttft_single_ms": {"100": 150},
-        "tpot_ms_by_batch": {"1": 11, "2": 12}, "kv_bytes_per_token": 1000, "num_kv_blocks": 1000,
-        "block_size": 16, "startup_s": 5,
-        "step_fit": {"decode_step_s": 0.01, "decode_step_per_seq_s": 0.001,
-                     "prefill_tokens_per_s": 1000, "steps": 900, "mixed_steps": 10,
-                     "residual_p50_s": 0.001, **step_fit}}))
+    prof = hand_profile_json(tmp_path, step_fit)
     base = ["run", "--profile", str(prof), "--prefill", "1", "--decode", "1", "--num-prompts", "30",
             "--request-rate", "2", "--random-input-len", "100", "--random-output-len", "8"]
 

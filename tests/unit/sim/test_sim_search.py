@@ -8,6 +8,7 @@ from pdserve.sim.baselines import TtftOnlyAutoscaler
 from pdserve.sim.runner import SimConfig, Topology, simulate
 from pdserve.sim.search import candidates, search_static
 from pdserve.sim.workload import at_rate
+from conftest import hand_profile_json
 
 pytestmark = pytest.mark.unit
 
@@ -44,10 +45,7 @@ def test_ttft_only_baseline_scales_on_ttft_alone(profile):
 def test_cli_run_writes_a_harness_keyed_result(tmp_path, capsys):
     import json
 
-    prof = tmp_path / "p.json"
-    prof.write_text(json.dumps({"prefill_tokens_per_s": 1000, "ttft_single_ms": {"100": 150},
-                                "tpot_ms_by_batch": {"1": 11, "2": 12}, "kv_bytes_per_token": 1000,
-                                "num_kv_blocks": 1000, "block_size": 16, "startup_s": 5}))
+    prof = hand_profile_json(tmp_path)
     out = tmp_path / "r.json"
     code = cli.main(["run", "--profile", str(prof), "--prefill", "1", "--decode", "1",
                      "--num-prompts", "30", "--request-rate", "2", "--random-input-len", "100",
@@ -64,10 +62,7 @@ def test_cli_run_writes_a_harness_keyed_result(tmp_path, capsys):
 def test_cli_search_writes_the_winner_every_trial_and_its_command(tmp_path, capsys):
     import json
 
-    prof = tmp_path / "p.json"
-    prof.write_text(json.dumps({"prefill_tokens_per_s": 1000, "ttft_single_ms": {"100": 150},
-                                "tpot_ms_by_batch": {"1": 11, "2": 12}, "kv_bytes_per_token": 1000,
-                                "num_kv_blocks": 1000, "block_size": 16, "startup_s": 5}))
+    prof = hand_profile_json(tmp_path)
     out = tmp_path / "s.json"
     argv = ["search", "--profile", str(prof), "--num-prompts", "200", "--request-rate", "4",
             "--random-input-len", "250", "--random-output-len", "10", "--ttft-ms", "500",
