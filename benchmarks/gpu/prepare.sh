@@ -7,6 +7,12 @@
 #   ../shared/gpu/build-bundle.sh (about 10 minutes; BUNDLE_DIR reuses parts built before).
 # All are git-ignored. Each device call carries one bundle folder and copies its part to /tmp/b/
 # (`mkdir -p /tmp/b && cp bundleK/part.* /tmp/b/`); proof.sh and x4.sh unpack /tmp/b on first use.
+# The working tree travels with every call, and with benchmarks/results/ (~110 MB) it is over
+# the device's 64 MiB: make the calls from a branch without it, and come back afterwards
+# (session 17):
+#   git checkout -b gpu-slim && git rm -r -q benchmarks/results && git commit -qm slim
+#   ... the device calls ...
+#   git checkout main && git branch -D gpu-slim
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bundle=${1:-}
