@@ -120,15 +120,16 @@ class EngineActor:
     async def _run(self, request: GenerateRequest, arrived: float) -> None:
         rid = request.request_id
         failure: GenerateFailure | None = GenerateFailure(rid)
-        first = True
+        first = last = None  # when its first and latest outputs left the engine
+        outputs = 0
         try:
             async for delta in self._engine.generate(request):
-                if first and delta.token_ids:
-                    now = time.monotonic()
-                    self._first_output_s.append(now - arrived)
-                    if self._requests is not None:
-                        self._requests.record(arrived, now)
-                    first = False
+                if delta.token_ids:
+                    last = time.monotonic()
+                    outputs += 1
+                    if first is None:
+                        first = last
+                        self._first_output_s.append(first - arrived)
                 self._emit(delta)
                 if delta.finished:
                     failure = None
@@ -143,6 +144,8 @@ class EngineActor:
             self._running.pop(rid, None)
             if failure is not None:
                 self._emit(failure)
+            if self._requests is not None and first is not None:
+                self._requests.record(arrived, first, last, outputs)
 
     def _emit(self, output: EngineOutput) -> None:
         if self._outputs is None:

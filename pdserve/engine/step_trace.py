@@ -139,15 +139,21 @@ REQUESTS_SUFFIX = ".requests.jsonl"
 
 class RequestTraceWriter(_LineWriter):
     """Beside an engine's step trace, its actor's side of each request: one JSON line per
-    request with `submitted` (the actor took it) and `first` (its first output left the
-    engine), monotonic seconds on the same clock as the steps (`benchmarks/ttft_breakdown.py`
-    sets them beside the steps' `arrived`)."""
+    request that produced output, written when it ends, with `submitted` (the actor took it),
+    `first` and `last` (its first and last outputs left the engine) and `outputs` (how many
+    came), monotonic seconds on the same clock as the steps (`benchmarks/ttft_breakdown.py`
+    sets them beside the steps' `arrived`). `last` - `first` is the engine's side of the
+    request's decode, to hold against the client's (traces before 2026-11-29 end at `first`)."""
 
     def __init__(self, directory: str | Path, replica_id: str) -> None:
         super().__init__(directory, replica_id, REQUESTS_SUFFIX)
 
-    def record(self, submitted: float, first: float) -> None:
-        self._write({"submitted": round(submitted, 6), "first": round(first, 6)})
+    def record(self, submitted: float, first: float, last: float | None = None,
+               outputs: int | None = None) -> None:
+        row = {"submitted": round(submitted, 6), "first": round(first, 6)}
+        if last is not None:
+            row.update(last=round(last, 6), outputs=outputs)
+        self._write(row)
 
 
 def unpack_trace(path: str | Path, into: str | Path) -> tuple[Path, Path]:
@@ -164,14 +170,27 @@ def unpack_trace(path: str | Path, into: str | Path) -> tuple[Path, Path]:
     return root, found.parent
 
 
-def read_requests(path: str | Path) -> dict[str, list[tuple[float, float]]]:
-    """replica id -> its actor's (submitted, first) per request, from a trace directory (empty
-    for traces recorded before the actors wrote them)."""
+def _request_rows(path: str | Path) -> dict[str, list[dict]]:
     out = {}
     for file in sorted(Path(path).glob(f"*{REQUESTS_SUFFIX}")):
         rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
-        out[file.name[: -len(REQUESTS_SUFFIX)]] = [(r["submitted"], r["first"]) for r in rows]
+        out[file.name[: -len(REQUESTS_SUFFIX)]] = sorted(rows, key=lambda r: r["submitted"])
     return out
+
+
+def read_requests(path: str | Path) -> dict[str, list[tuple[float, float]]]:
+    """replica id -> its actor's (submitted, first) per request in the order submitted, from a
+    trace directory (empty for traces recorded before the actors wrote them)."""
+    return {replica: [(r["submitted"], r["first"]) for r in rows]
+            for replica, rows in _request_rows(path).items()}
+
+
+def read_request_spans(path: str | Path) -> dict[str, list[tuple[float, float, float, int]]]:
+    """replica id -> its actor's (submitted, first, last, outputs) per request in the order
+    submitted, for the requests whose trace line has them (written since 2026-11-29)."""
+    return {replica: [(r["submitted"], r["first"], r["last"], r["outputs"]) for r in rows
+                      if "last" in r]
+            for replica, rows in _request_rows(path).items()}
 
 
 def read_steps(path: str | Path, since: float = 0.0) -> dict[str, list[Step]]:

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve.engine.step_trace import fit_steps, read_steps
+from pdserve.engine.step_trace import fit_steps, read_request_spans, read_steps
 from pdserve.testing.server import metric_value, start_server
 
 pytestmark = pytest.mark.integration
@@ -241,3 +241,8 @@ def test_the_engine_traces_its_steps(server, client, step_trace_dir):
     # The steps that started the four requests say when each reached vLLM's scheduler.
     started = [(t, s.t) for s in steps for t in s.arrived or ()]
     assert len(started) == 4 and all(since <= t <= end for t, end in started)
+    # The actor's side of each: when it took the request, and its first and last outputs.
+    spans = [r for r in read_request_spans(step_trace_dir)["colocated-0"] if r[0] >= since]
+    assert len(spans) == 4
+    assert all(submitted < first < last and 2 <= outputs <= 12
+               for submitted, first, last, outputs in spans)

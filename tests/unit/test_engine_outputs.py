@@ -235,22 +235,26 @@ async def test_the_actor_reports_each_requests_engine_side_first_output_once(ser
     assert 'pdserve_engine_time_to_first_output_seconds_count{pool="colocated"} 3.0' in text
 
 
-async def test_with_step_tracing_the_actor_records_each_requests_submit_and_first_output(tmp_path):
-    from pdserve.engine.step_trace import read_requests
+async def test_with_step_tracing_the_actor_records_each_requests_submit_first_and_last_output(tmp_path):
+    from pdserve.engine.step_trace import read_request_spans, read_requests
 
     config = PdserveConfig.model_validate({"engine": {
-        "kind": "mock", "mock": {"decode_step_s": 0.001}, "step_trace_dir": str(tmp_path)}})
-    actor = EngineActor(EngineSpec("prefill-0", "prefill", "m", "m", config))
+        "kind": "mock", "mock": {"decode_step_s": 0.01}, "step_trace_dir": str(tmp_path)}})
+    actor = EngineActor(EngineSpec("colocated-0", "colocated", "m", "m", config))
     await actor.start()
     before = time.monotonic()
     for i in range(3):
-        await actor.submit(request(f"r{i}", max_tokens=4))
+        await actor.submit(request(f"r{i}", max_tokens=6))
     while actor._running:
         await asyncio.sleep(0.01)
     await actor.shutdown()
-    rows = read_requests(tmp_path)["prefill-0"]
-    assert len(rows) == 3  # one line per request, at its first output only
+    rows = read_requests(tmp_path)["colocated-0"]
+    assert len(rows) == 3  # one line per request
     assert all(before <= submitted <= first <= time.monotonic() for submitted, first in rows)
+    spans = read_request_spans(tmp_path)["colocated-0"]
+    assert [s[:2] for s in spans] == rows
+    for submitted, first, last, outputs in spans:
+        assert outputs >= 2 and last >= first + 0.01  # a decode step at least between them
     assert read_requests(tmp_path / "none") == {}
     # Without tracing, nothing is written.
     plain = engine_actor()
