@@ -148,12 +148,9 @@ class RequestTraceWriter(_LineWriter):
     def __init__(self, directory: str | Path, replica_id: str) -> None:
         super().__init__(directory, replica_id, REQUESTS_SUFFIX)
 
-    def record(self, submitted: float, first: float, last: float | None = None,
-               outputs: int | None = None) -> None:
-        row = {"submitted": round(submitted, 6), "first": round(first, 6)}
-        if last is not None:
-            row.update(last=round(last, 6), outputs=outputs)
-        self._write(row)
+    def record(self, submitted: float, first: float, last: float, outputs: int) -> None:
+        self._write({"submitted": round(submitted, 6), "first": round(first, 6),
+                     "last": round(last, 6), "outputs": outputs})
 
 
 def unpack_trace(path: str | Path, into: str | Path) -> tuple[Path, Path]:
