@@ -37,6 +37,7 @@ summary in `seeds/ARM-seedS.json`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -97,6 +98,7 @@ def workload(args, seed: int):
     return curve, from_curve(cell_curve, SHAPE, seed=seed)
 
 
+@functools.cache
 def source_commit() -> str:
     """The commit the study ran on ("+dirty" with uncommitted changes), so a recorded result can be
     told from the code that would produce it today."""
@@ -200,7 +202,8 @@ def report(args) -> None:
         table += "\n\n" + spread
     (args.out / "table.md").write_text(table + "\n")
     print(table)
-    plot(args, bodies, seeds[0])
+    if bodies:
+        plot(args, bodies, seeds[0])
 
 
 def spread_table(folder: Path) -> str:
