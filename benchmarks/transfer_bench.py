@@ -15,8 +15,8 @@ Each figure is the median of `--repeats` timed pulls after one warm-up pull (han
 setup), timed from start_pull to DONE. On CUDA the NCCL rows also give where a pull's time went
 (the sink's PullTrace: thread start, header sent, all ops queued, GPU done, reply read) and the
 GPU-side bandwidth (CUDA events from the first receive queued to the last scatter done).
-`--sweep` runs benchmarks/transfer_sweep.py instead (staging batch size x ring depth x NCCL
-channels, each row against a peer copy of the same run).
+The staging sweep (batch size x ring depth x NCCL channels, each row against a peer copy of
+the same run) is benchmarks/research/transfer_sweep.py.
 `--torch-profile DIR` also records 3 NCCL pulls per size under torch's profiler on both ends and
 prints each GPU's kernel timeline (do block copies, sends and receives overlap?).
 `--gil-load` runs a pure-Python busy thread in both processes during the pulls, as a vLLM
@@ -475,11 +475,6 @@ def print_rows(rows: list[Result], shape: Shape) -> None:
 
 
 def main() -> int:
-    if "--sweep" in sys.argv:  # the NCCL pair-settings sweep: benchmarks/transfer_sweep.py
-        import transfer_sweep
-
-        sys.argv.remove("--sweep")
-        return transfer_sweep.main()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", default="16,64,256", help="comma-separated pull sizes in MiB")
     parser.add_argument("--repeats", type=int, default=5, help="timed pulls per transport and size")

@@ -102,7 +102,7 @@ case $step in
     export PROOF_STEP_TRACE=$out
     stream x bash -c "$(declare -f proof); here=$here model=$model
       PROOF_BUDGET_S=400 proof arm:disagg:8,10,12,14,16,18
-      NCCL_NVLS_ENABLE=0 python3 benchmarks/transfer_sweep.py --sizes-mib 64,256,1024 --repeats 10 \
+      NCCL_NVLS_ENABLE=0 python3 benchmarks/research/transfer_sweep.py --sizes-mib 64,256,1024 --repeats 10 \
         --configs 64:4,128:2,256:2,32:8 --nccl-env '' --env-configs 64:4,256:2 \
         --nccl-env 'TORCH_NCCL_TRACE_BUFFER_SIZE=0 TORCH_FR_BUFFER_SIZE=0' --out $out/sweep.json" ;;
   2b)
@@ -152,12 +152,12 @@ case $step in
     stream t env CUDA_VISIBLE_DEVICES=0,1 python3 benchmarks/transfer_bench.py --device cuda \
       --sizes-mib 256,1024 --repeats 10 --transports nccl --torch-profile "$out/transfer-profile" \
       --out "$out/transfer.json"
-    stream u env CUDA_VISIBLE_DEVICES=2,3 python3 benchmarks/transfer_sweep.py --sizes-mib 256,1024 \
+    stream u env CUDA_VISIBLE_DEVICES=2,3 python3 benchmarks/research/transfer_sweep.py --sizes-mib 256,1024 \
       --repeats 10 --configs 64:4 --env-configs 64:4 --nccl-env '' --nccl-env 'NCCL_P2P_USE_CUDA_MEMCPY=1' --variant-timeout-s 150 \
       --nccl-log-dir "$out/nccl-logs" --out "$out/sweep-ce.json" ;;
   l)
     stream t bash -c "export CUDA_VISIBLE_DEVICES=0,1
-      python3 benchmarks/transfer_sweep.py --sizes-mib 256,1024 --repeats 20 --configs 64:4,128:2,32:8 \
+      python3 benchmarks/research/transfer_sweep.py --sizes-mib 256,1024 --repeats 20 --configs 64:4,128:2,32:8 \
         --env-configs 64:4,128:2,32:8 --nccl-env '' --nccl-env 'PDSERVE_NCCL_API=torch' \
         --variant-timeout-s 200 --out $out/sweep-api.json
       python3 benchmarks/transfer_bench.py --device cuda --sizes-mib 256,1024 --repeats 20 \

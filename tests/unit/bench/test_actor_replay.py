@@ -11,7 +11,7 @@ from scripts import load_script
 
 pytestmark = pytest.mark.unit
 
-replay = load_script("actor_replay")
+replay = load_script("research/actor_replay", "actor_replay")
 
 # 10 ms + tokens / 1000 per step, no async scheduling: a lone 100-token prompt takes 110 ms.
 PROFILE = EngineProfile(perf=PerfModel(prefill_tokens_per_s=1000.0, decode_step_s=0.010))

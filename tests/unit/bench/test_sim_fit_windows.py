@@ -12,8 +12,8 @@ from scripts import load_script
 
 pytestmark = pytest.mark.unit
 
-validate = load_script("sim_validate")
-refit_script = load_script("sim_refit_profile")
+validate = load_script("research/sim_validate", "sim_validate")
+refit_script = load_script("research/sim_refit_profile", "sim_refit_profile")
 
 
 def engine(step_s: float, t0: float, steps: int, batch: int = 4) -> list[Step]:
@@ -133,7 +133,7 @@ def test_with_step_noise_each_metric_is_the_median_over_the_seeds_with_its_range
 
 
 def test_the_gpu_validation_takes_the_median_of_the_seeded_runs():
-    gpu = load_script("sim_validate_gpu")
+    gpu = load_script("research/sim_validate_gpu", "sim_validate_gpu")
     runs = [{"median_ttft_ms": t, "p90_ttft_ms": t, "median_tpot_ms": 8.0, "p90_tpot_ms": 9.0,
              "request_throughput": 10.0, "slo_attainment": {"all": a}, "failed": f}
             for t, a, f in ((50.0, 0.9, 0), (70.0, 0.7, 2), (60.0, 0.8, 0), (65.0, 0.95, 0))]

@@ -6,7 +6,7 @@ from scripts import load_script
 
 pytestmark = pytest.mark.unit
 
-script = load_script("sim_profile_cpu")
+script = load_script("research/sim_profile_cpu", "sim_profile_cpu")
 
 LINE = ("(EngineActor pid=15789) INFO 11-27 08:20:02 [scheduler.py:307] Chunked prefill is enabled "
         "with max_num_batched_tokens={}.\n")

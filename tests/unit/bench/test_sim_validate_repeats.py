@@ -9,7 +9,7 @@ from scripts import load_script
 
 pytestmark = pytest.mark.unit
 
-repeats = load_script("sim_validate_repeats")
+repeats = load_script("research/sim_validate_repeats", "sim_validate_repeats")
 
 
 def flag(args, name):

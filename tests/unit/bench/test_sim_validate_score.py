@@ -10,7 +10,7 @@ from scripts import load_script
 
 pytestmark = pytest.mark.unit
 
-scorer = load_script("sim_validate_score")
+scorer = load_script("research/sim_validate_score", "sim_validate_score")
 
 
 def validation(rate_rows):

@@ -7,7 +7,7 @@ from pdserve.engine.step_trace import Step
 
 pytestmark = pytest.mark.unit
 
-script = load_script("ttft_breakdown")
+script = load_script("research/ttft_breakdown", "ttft_breakdown")
 
 
 def test_the_parts_add_up_to_each_request_and_warm_ups_are_skipped():

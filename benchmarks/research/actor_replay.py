@@ -16,7 +16,7 @@ is a full leg; a disaggregated prefill engine's (`prefill-N`) a prefill leg that
 engine pulls at once. Every request is the arm's shape (`--prompt`, `--output`).
 
     D=benchmarks/results/gpu/2026-11-28-h100-x2-s14
-    .venv/bin/python benchmarks/actor_replay.py $D/colocated-raw.tar.xz \\
+    .venv/bin/python benchmarks/research/actor_replay.py $D/colocated-raw.tar.xz \\
         --profile $D/profile-1/profile-handoff.json --replica colocated-0
 
 Session 14 (2 x H100, 2048-token prompts): the colocated engines' requests came out within
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pdserve.engine.step_trace import read_requests, read_steps, unpack_trace  # noqa: E402
 from pdserve.sim.engine import SimEngine, SimRequest  # noqa: E402

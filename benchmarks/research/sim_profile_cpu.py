@@ -1,8 +1,8 @@
 """Start the CPU service, record its engine profile with `pdserve.sim.profile`, stop it.
 
-    .venv/bin/python benchmarks/sim_profile_cpu.py --arm colocated --out benchmarks/results/sim/cpu-profile \
+    .venv/bin/python benchmarks/research/sim_profile_cpu.py --arm colocated --out benchmarks/results/sim/cpu-profile \
         --bench-rates 0.5 1 2
-    .venv/bin/python benchmarks/sim_profile_cpu.py --arm disaggregated --out benchmarks/results/sim/cpu-profile \
+    .venv/bin/python benchmarks/research/sim_profile_cpu.py --arm disaggregated --out benchmarks/results/sim/cpu-profile \
         --bench-rates 0.5 1 2
 
 With --bench-rates, the same service is then measured with benchmarks/cpu_compare.py's
@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pdserve.models import ensure_embedded_model  # noqa: E402
 from pdserve.sim import profile  # noqa: E402

@@ -29,10 +29,10 @@ GPU: the calibration file's `colocated_serving_isl2048_osl256_poisson` table (pl
 one H200, Llama-3.1-8B shape) against the simulator fed the same file's profile, 1000 Poisson
 requests of 2048 in / 256 out per rate (vllm bench's default count; the file does not say).
 
-    .venv/bin/python benchmarks/sim_validate.py --profile benchmarks/results/sim/cpu-profile/colocated.json \\
+    .venv/bin/python benchmarks/research/sim_validate.py --profile benchmarks/results/sim/cpu-profile/colocated.json \\
         --arm colocated --measured benchmarks/results/cpu/2026-11-26-compare/colocated-rate*.json \\
         --out benchmarks/results/sim/validation-colocated
-    .venv/bin/python benchmarks/sim_validate.py --gpu /work/shared/calibration/h200-vllm0.24-llama8b.json \\
+    .venv/bin/python benchmarks/research/sim_validate.py --gpu /work/shared/calibration/h200-vllm0.24-llama8b.json \\
         --out benchmarks/results/sim/validation-gpu
 """
 
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pdserve.bench.client import RequestOutcome  # noqa: E402
 from pdserve.bench.metrics import SLOTargets, compute_metrics  # noqa: E402

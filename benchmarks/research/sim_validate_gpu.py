@@ -13,7 +13,7 @@ profile's step noise on (seeds 0..K-1), and the medians compared.
 Writes `validation.json` (every number, every command) and `table.md` (measured / predicted and
 the error) to `--out`. Nothing is fitted to the measurements: the profile is used as recorded.
 
-    .venv/bin/python benchmarks/sim_validate_gpu.py --frontend-tokens-per-s 5000 \\
+    .venv/bin/python benchmarks/research/sim_validate_gpu.py --frontend-tokens-per-s 5000 \\
         --profile benchmarks/results/gpu/2026-11-26-x4/profile.json \\
         --arm colocated-4=benchmarks/results/gpu/2026-11-26-x4/colocated-4.json \\
         --arm 2P2D=benchmarks/results/gpu/2026-11-26-x4/2P2D.json \\
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TPOT_TARGETS_MS = (10.0, 20.0)
 TTFT_TARGET_MS = 500.0
 ATTAINMENT_GOAL = 0.9  # goodput per GPU: highest tested rate with >= 90% attainment (proof.py)

@@ -22,7 +22,7 @@ machine's run-to-run noise averaged down, and the simulator predicts one value f
 repeats of `cpu-profile-8` to `-13` drew other arrivals per repeat: their mean mixes two
 workloads, so it is not used there.)
 
-    .venv/bin/python benchmarks/sim_validate_score.py \\
+    .venv/bin/python benchmarks/research/sim_validate_score.py \\
         benchmarks/results/sim/validation-cpu-colocated-13/r1-fit-on-r2/validation.json \\
         --spread-from benchmarks/results/sim/validation-cpu-colocated-13/r2-fit-on-r1/validation.json
 """

@@ -7,7 +7,7 @@ outcome. Each 10 s bucket: requests admitted and refused, TTFT and TPOT p90 of t
 serving engines per pool; each phase: attainment of both targets (refused requests count as
 misses, as in the GPU run); every scaling decision with its reason.
 
-    .venv/bin/python benchmarks/sim_ramp_replay.py \\
+    .venv/bin/python benchmarks/research/sim_ramp_replay.py \\
         --run benchmarks/results/gpu/2026-11-27-h100-x4/ramp-run.json.xz \\
         --summary benchmarks/results/gpu/2026-11-27-h100-x4/ramp-summary.json \\
         --profile benchmarks/results/gpu/2026-11-26-x4/profile.json --startup-s 54 \\

@@ -13,7 +13,7 @@ step model fitted on some repeats and every other repeat predicted:
 Writes OUT/MODE/SHORT-rT-fit-on-{rF,others}/ (sim_validate.py's), OUT/MODE/score-{pair,loo}.md
 (`sim_validate_score.py`'s tables) and OUT/summary.md: cells within 15% per mode and protocol.
 
-    .venv/bin/python benchmarks/sim_validate_repeats.py --profiles benchmarks/results/sim/cpu-profile-16 \\
+    .venv/bin/python benchmarks/research/sim_validate_repeats.py --profiles benchmarks/results/sim/cpu-profile-16 \\
         --repeats 3 --out benchmarks/results/sim/2026-11-28-s16-validation/cpu-16
 """
 

@@ -1,7 +1,6 @@
 """NCCL KV pull sweep: staging batch size x ring depth x NCCL channels, against the peer copy.
 
-    python benchmarks/transfer_sweep.py --out sweep.json
-    python benchmarks/transfer_bench.py --sweep --out sweep.json     (the same)
+    python benchmarks/research/transfer_sweep.py --out sweep.json
 
 Needs two GPUs (KV on cuda:0 -> cuda:1, Llama-3.1-8B shape, as transfer_bench.py). For each
 NCCL environment variant (`--nccl-env`, each run in fresh processes: NCCL reads its environment
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # transfer_bench beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/transfer_bench.py
 
 import transfer_bench as tb  # noqa: E402
 

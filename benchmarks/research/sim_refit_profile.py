@@ -20,7 +20,7 @@ engine's step costs per request it hands over (`handoff_s`, pdserve.engine.step_
 on the prefill engines of other recorded 1P1D runs (`ARM-raw.tar.xz` of benchmarks/gpu/proof.sh:
 the same engine and GPU, other runs), and writes it into the profile.
 
-    .venv/bin/python benchmarks/sim_refit_profile.py --profile P/profile.json \\
+    .venv/bin/python benchmarks/research/sim_refit_profile.py --profile P/profile.json \\
         --trace P/profile-steps.tar.xz --out P/profile-refit.json
 """
 
@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pdserve.engine.step_trace import fit_handoff, read_steps, unpack_trace  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile  # noqa: E402

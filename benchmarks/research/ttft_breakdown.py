@@ -27,7 +27,7 @@ A disaggregated arm's first token is the prefill engine's, so its prefill engine
 one read; a colocated arm's engines are read together. It also prints the look-ahead delays
 (`pdserve.engine.step_trace.lookahead_delays`) the traces show.
 
-    .venv/bin/python benchmarks/ttft_breakdown.py \\
+    .venv/bin/python benchmarks/research/ttft_breakdown.py \\
         benchmarks/results/gpu/2026-11-27-h100-x2-s13/disagg-raw.tar.xz
 
 A CPU profile's folder works too, with its runs named in the order they ran (`--runs`). There
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pdserve.engine.step_trace import (  # noqa: E402
     lookahead_delays, read_requests, read_steps, unpack_trace,
