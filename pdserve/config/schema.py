@@ -89,7 +89,8 @@ class MockEngineConfig(_Section):
 
 class EngineConfig(_Section):
     kind: Literal["vllm", "mock"] = Field(
-        "vllm", description="'vllm' runs vLLM AsyncLLM; 'mock' runs pdserve.testing's model-free engine."
+        "vllm", description="'vllm' runs vLLM AsyncLLM; 'mock' runs the model-free engine "
+        "(pdserve.engine.mock_engine) for tests, benchmarks and simulator checks."
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto' picks cuda when the engine's host has a GPU, else cpu."
@@ -126,7 +127,7 @@ class EngineConfig(_Section):
         None, description="Write one JSON line per engine step to {dir}/{replica_id}.steps.jsonl "
         "(pdserve.engine.step_trace; `pdserve sim profile --step-trace` fits the simulator's step "
         "model to it). vLLM's scheduler is then pdserve's traced subclass of the one vLLM would "
-        "build (pdserve.engine.traced_scheduler, via vLLM's scheduler_cls), which writes the "
+        "build (pdserve.engine.tracing_scheduler, via vLLM's scheduler_cls), which writes the "
         "lines from the engine core process.",
     )
     mock: MockEngineConfig = Field(

@@ -8,8 +8,8 @@ multiplexed on ONE long-lived Ray stream per actor, `outputs()`, each item a lis
 request: at thousands of tokens/s a Ray object per token per request saturated the frontend's
 event loop (benchmarks/frontend_stream.py). `abort()` ends a request early; `stats()` is polled
 by the frontend; `shutdown()` runs last.
-The engine class is chosen from the config (`engine.kind`), so tests inject the mock engine
-without touching serving code.
+The engine is built by its kind in the config (`engine.kind`, registry.py), so tests and
+benchmarks run the mock engine without touching serving code.
 """
 
 from __future__ import annotations
@@ -21,44 +21,22 @@ import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-from pdserve.config.schema import PdserveConfig
 from pdserve.engine.protocol import Engine
+from pdserve.engine.registry import build_engine
+from pdserve.engine.spec import EngineSpec
 from pdserve.engine.step_trace import RequestTraceWriter
 from pdserve.engine.types import (
     EngineInfo, EngineStats, GenerateDelta, GenerateFailure, GenerateRequest,
 )
+
+__all__ = ["EngineActor", "EngineOutput", "EngineSpec"]
 
 EngineOutput = GenerateDelta | GenerateFailure
 # Early aborts remembered (ids of requests that finished before their abort land here too).
 _ABORTED_EARLY_KEPT = 4096
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSpec:
-    """Everything an engine actor needs to build its engine."""
-
-    replica_id: str
-    pool: str
-    model_path: str
-    served_name: str
-    config: PdserveConfig
-
-
-def build_engine(spec: EngineSpec) -> Engine:
-    """Instantiate the configured engine class (no heavy work; `start()` does that)."""
-    if spec.config.engine.kind == "mock":
-        from pdserve.testing.mock_engine import MockEngine
-
-        engine = spec.config.engine
-        return MockEngine(spec.replica_id, spec.pool, spec.served_name, engine.mock,
-                          step_trace_dir=engine.step_trace_dir)
-    from pdserve.engine.vllm_engine import VllmEngine
-
-    return VllmEngine(spec)
 
 
 class EngineActor:

@@ -1,9 +1,9 @@
 """The engine contract that engine actors host.
 
 An engine runs inside one Ray actor (see `actor.py`) and serves many requests concurrently on
-that actor's event loop. Implementations: `vllm_engine.VllmEngine` (production) and
-`pdserve.testing.mock_engine.MockEngine` (tests, simulation). The actor receives the class by
-name so tests inject the mock without touching serving code.
+that actor's event loop. Implementations: `vllm_engine.VllmEngine` and `mock_engine.MockEngine`
+(model-free: tests, benchmarks, simulation). The actor builds the one its config names
+(`engine.kind`, registry.py), so tests run the mock without touching serving code.
 """
 
 from __future__ import annotations

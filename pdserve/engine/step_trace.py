@@ -2,7 +2,7 @@
 
 With `engine.step_trace_dir` set, every engine appends its steps to
 `{dir}/{replica_id}.steps.jsonl`, written by vLLM's scheduler in the engine core process
-(pdserve.engine.traced_scheduler): when the step's outputs were processed (`t`, monotonic
+(pdserve.engine.tracing_scheduler): when the step's outputs were processed (`t`, monotonic
 seconds, the same clock for every process of a host), the prompt tokens it prefilled
 (`prefill_tokens`, over `prefill_reqs` requests), the requests it decoded (`decode_reqs`), the
 requests still running or waiting after it (`pending`), the engine's time for the step alone

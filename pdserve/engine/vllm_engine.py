@@ -7,7 +7,7 @@ AsyncLLM on a worker thread: its constructor blocks for the whole engine start (
 frontend tokenized them) and come back as DELTA outputs. vLLM's scheduler stats (running,
 waiting, KV usage) arrive through a stat logger that keeps only the latest values. With
 `engine.step_trace_dir` set, vLLM's scheduler is pdserve's traced one
-(pdserve.engine.traced_scheduler), which writes every engine step to a step trace
+(pdserve.engine.tracing_scheduler), which writes every engine step to a step trace
 (pdserve.engine.step_trace) from the engine core process.
 
 vLLM is imported inside methods so that importing pdserve never requires vLLM.
@@ -22,12 +22,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.traced_scheduler import QUALNAME as TRACED_SCHEDULER
-from pdserve.engine.traced_scheduler import trace_environment
+from pdserve.engine.tracing_scheduler import QUALNAME as TRACING_SCHEDULER
+from pdserve.engine.tracing_scheduler import trace_environment
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
 
 if TYPE_CHECKING:
-    from pdserve.engine.actor import EngineSpec
+    from pdserve.engine.spec import EngineSpec
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool) -> Any:
     if spec.pool in ("prefill", "decode"):
         kwargs["kv_transfer_config"] = _kv_transfer_config(spec)
     if engine.step_trace_dir is not None:
-        kwargs["scheduler_cls"] = TRACED_SCHEDULER
+        kwargs["scheduler_cls"] = TRACING_SCHEDULER
     kwargs.update(engine.extra_engine_args)
     return AsyncEngineArgs(**kwargs)
 

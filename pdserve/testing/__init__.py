@@ -1,8 +1,8 @@
-"""Test and simulation helpers that ship with pdserve: a mock engine, an in-process backend,
-and a tiny tokenizer. Nothing here loads a model or needs Ray."""
+"""Test helpers that ship with pdserve: an in-process backend and a tiny tokenizer. Nothing here
+loads a model or needs Ray, and no production module imports this package (the mock engine is
+an engine kind: pdserve.engine.mock_engine)."""
 
 from pdserve.testing.inprocess import InProcessBackend
-from pdserve.testing.mock_engine import MockEngine
 from pdserve.testing.tokenizer import save_tiny_model, tiny_tokenizer
 
-__all__ = ["InProcessBackend", "MockEngine", "save_tiny_model", "tiny_tokenizer"]
+__all__ = ["InProcessBackend", "save_tiny_model", "tiny_tokenizer"]

@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 
 from pdserve.api.app import build_app
 from pdserve.config.schema import MockEngineConfig
-from pdserve.testing import InProcessBackend, MockEngine, tiny_tokenizer
+from pdserve.engine.mock_engine import MockEngine
+from pdserve.testing import InProcessBackend, tiny_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -171,7 +172,7 @@ async def test_closing_a_stream_aborts_the_engine_request():
     backend = make_backend(decode_step_s=0.01)
     await backend.start()
     app = build_app(backend, tiny_tokenizer(), MODEL)
-    from pdserve.api.metrics import ServingMetrics
+    from pdserve.serving.metrics import ServingMetrics
     from pdserve.api.protocol import CompletionRequest
     from pdserve.api.serving import OpenAIServing
 

@@ -3,10 +3,10 @@
 import pytest
 
 from pdserve.config.schema import MockEngineConfig
+from pdserve.engine.mock_engine import MockEngine
 from pdserve.engine.types import GenerateRequest, SamplingOptions
 from pdserve.errors import EngineRequestError
 from pdserve.serving.disaggregated import generate_disaggregated
-from pdserve.testing import MockEngine
 
 pytestmark = pytest.mark.unit
 

@@ -1,10 +1,13 @@
 import asyncio
+import typing
 
 import pytest
 
-from pdserve.config.schema import MockEngineConfig
+from pdserve.config.schema import EngineConfig, MockEngineConfig, PdserveConfig
+from pdserve.engine.mock_engine import MockEngine
+from pdserve.engine.registry import ENGINE_KINDS, build_engine
+from pdserve.engine.spec import EngineSpec
 from pdserve.engine.types import GenerateRequest, SamplingOptions
-from pdserve.testing import MockEngine
 
 pytestmark = pytest.mark.unit
 
@@ -61,3 +64,14 @@ async def test_prefill_time_follows_the_latency_model():
     assert loop.time() - start >= 0.2  # 200 tokens at 1000 tokens/s, never faster
     await stream.aclose()
     await engine.shutdown()
+
+
+def test_every_engine_kind_the_config_accepts_can_be_built():
+    assert set(typing.get_args(EngineConfig.model_fields["kind"].annotation)) == set(ENGINE_KINDS)
+
+
+def test_an_actor_configured_for_the_mock_kind_builds_the_mock_engine():
+    config = PdserveConfig.model_validate({"engine": {"kind": "mock"}})
+    engine = build_engine(EngineSpec("decode-0", "decode", "/m", "served", config))
+    assert isinstance(engine, MockEngine)
+    assert engine.stats().replica_id == "decode-0" and engine.stats().pool == "decode"

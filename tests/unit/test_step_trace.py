@@ -15,7 +15,7 @@ from pdserve.engine.step_trace import (
 )
 from pdserve.engine.types import GenerateRequest, SamplingOptions
 from pdserve.scheduler.perf_model import PerfModel
-from pdserve.testing.mock_engine import MockEngine
+from pdserve.engine.mock_engine import MockEngine
 
 pytestmark = pytest.mark.unit
 

@@ -1,7 +1,9 @@
 """A model-free engine whose timings follow a simple latency model.
 
 It implements the same `Engine` protocol as the vLLM adapter, so everything above the engine
-(actors, routing, the HTTP API, scaling) can be exercised on any machine in milliseconds.
+(actors, routing, the HTTP API, scaling) can be exercised on any machine in milliseconds. It ships
+as an engine kind of its own (`engine.kind: mock`, `--engine mock`): tests, benchmarks and the
+simulator's checks run it.
 
 Latency model: a request's prefill takes `prompt_tokens / prefill_tokens_per_s`; prefills run
 one at a time (an engine step is compute-bound). Each decode step produces one token for every
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.config.schema import MockEngineConfig
+from pdserve.engine.spec import EngineSpec
 from pdserve.engine.step_trace import Step, StepTraceWriter
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
 
@@ -54,6 +57,13 @@ class MockEngine:
         self._kv_bytes = 0
         self._kv_seconds: list[float] = []
         self._trace = StepTraceWriter(step_trace_dir, replica_id) if step_trace_dir else None
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> MockEngine:
+        """The engine an engine actor builds for `engine.kind: mock` (registry.py)."""
+        engine = spec.config.engine
+        return cls(spec.replica_id, spec.pool, spec.served_name, engine.mock,
+                   step_trace_dir=engine.step_trace_dir)
 
     async def start(self) -> EngineInfo:
         self._decode_task = asyncio.get_running_loop().create_task(self._decode_loop())

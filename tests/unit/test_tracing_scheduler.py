@@ -1,4 +1,4 @@
-"""The traced scheduler (pdserve.engine.traced_scheduler) over a stand-in for vLLM's scheduler:
+"""The tracing scheduler (pdserve.engine.tracing_scheduler) over a stand-in for vLLM's scheduler:
 what a step records, its timing under async scheduling, and which vLLM class it extends. The
 real one runs in tests/integration/test_serve_vllm.py (a CPU vLLM engine with the trace on)."""
 
@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.engine import traced_scheduler
+from pdserve.engine import tracing_scheduler
 from pdserve.engine.step_trace import Step, StepTraceWriter, read_steps
-from pdserve.engine.traced_scheduler import (
+from pdserve.engine.tracing_scheduler import (
     TRACE_ENV, make_traced_scheduler, step_shape, trace_environment, traced, vllm_scheduler_cls,
 )
 
@@ -60,7 +60,7 @@ class FakeScheduler:
 @pytest.fixture
 def clock(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr(traced_scheduler.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(tracing_scheduler.time, "monotonic", lambda: now[0])
     return now
 
 
@@ -158,7 +158,7 @@ def test_the_traced_scheduler_extends_the_class_vllm_would_build(tmp_path, monke
         make_traced_scheduler(vllm_config=config(False))
     # With it, the scheduler vLLM would build, tracing to the named file.
     monkeypatch.setenv(TRACE_ENV, trace_environment(str(tmp_path), "prefill-3")[TRACE_ENV])
-    monkeypatch.setattr(traced_scheduler, "vllm_scheduler_cls", lambda cfg: FakeScheduler)
+    monkeypatch.setattr(tracing_scheduler, "vllm_scheduler_cls", lambda cfg: FakeScheduler)
     scheduler = make_traced_scheduler(vllm_config=config(True))
     assert isinstance(scheduler, FakeScheduler)
     scheduler.shutdown()
