@@ -39,19 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pdserve.models import ensure_embedded_model  # noqa: E402
 from pdserve.sim import profile  # noqa: E402
+from pdserve.sim.validation.cpu_service import (  # noqa: E402
+    ARMS, NUM_KV_BLOCKS, engine_batched_tokens,
+)
 from pdserve.testing.server import start_server  # noqa: E402
-
-ARMS = {
-    "colocated": ["--mode", "colocated", "--replicas", "1"],
-    "disaggregated": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1",
-                      "--set", "pools.prefill.num_cpus=0.5", "--set", "pools.decode.num_cpus=0.5"],
-}
-# The same 1P1D with each engine bound to a core of its own (the simulator's premise: an engine
-# owns its device); unbound, both engines' threads share both cores.
-ARMS["disaggregated-pinned"] = [*ARMS["disaggregated"], "--set", "pools.prefill.cpu_threads=0",
-                                "--set", "pools.decode.cpu_threads=1"]
-# 1 GiB of KV per engine (pdserve's CPU default, as in the comparison) / 5.9 MB per 128-token block.
-NUM_KV_BLOCKS = 182
 
 
 def bench(base_url: str, model_dir: Path, arm: str, rate: float, out: Path,
@@ -67,18 +58,6 @@ def bench(base_url: str, model_dir: Path, arm: str, rate: float, out: Path,
            "--disable-tqdm"]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
-
-
-def engine_batched_tokens(log: str) -> int:
-    """The max_num_batched_tokens every engine of the service runs with, from vLLM's start-up
-    line in the service log (pdserve leaves it to vLLM's default unless configured: 2048 on the
-    CPU backend). The profile must carry the engine's own value: the simulator batches prompts
-    up to it, and the profile's former default (4096) let a simulated prefill engine send
-    decode twice the bursts the real one did (session 9: 1P1D TPOT +55-73% at 2 req/s)."""
-    found = set(re.findall(r"max_num_batched_tokens=(\d+)", log))
-    if len(found) != 1:
-        raise RuntimeError(f"cannot tell the engines' max_num_batched_tokens from the log: {found}")
-    return int(found.pop())
 
 
 def main() -> int:

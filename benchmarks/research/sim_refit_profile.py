@@ -18,7 +18,8 @@ tell how long a fresh step delays the look ahead (`lookahead_s`, pdserve.sim.eng
 A profile of one engine sees no KV pulls. `--handoff-from` fits what a disaggregated prefill
 engine's step costs per request it hands over (`handoff_s`, pdserve.engine.step_trace.fit_handoff)
 on the prefill engines of other recorded 1P1D runs (`ARM-raw.tar.xz` of benchmarks/gpu/proof.sh:
-the same engine and GPU, other runs), and writes it into the profile.
+the same engine and GPU, other runs), and writes it into the profile. The refit and the handoff
+fit are pdserve.sim.validation.refit.
 
     .venv/bin/python benchmarks/research/sim_refit_profile.py --profile P/profile.json \\
         --trace P/profile-steps.tar.xz --out P/profile-refit.json
@@ -29,38 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pdserve.engine.step_trace import fit_handoff, read_steps, unpack_trace  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile  # noqa: E402
-from pdserve.sim.profile import step_fit_of  # noqa: E402
-
-
-def refit(profile: dict, trace: Path, since: float | None = None,
-          until: float | None = None) -> dict:
-    old = profile.get("step_fit") or {}
-    since = old.get("since", 0.0) if since is None else since
-    with tempfile.TemporaryDirectory() as tmp:
-        traces = read_steps(unpack_trace(trace, tmp)[1], since)
-    return {**profile, "step_fit": {**step_fit_of(traces, since, until), "recorded_fit": old}}
-
-
-def handoff_of(traces: list[Path]) -> float:
-    """`fit_handoff` over the prefill engines (`prefill-N`) of the recorded runs."""
-    prefill = []
-    for i, path in enumerate(traces):
-        with tempfile.TemporaryDirectory() as tmp:
-            steps = read_steps(unpack_trace(path, Path(tmp) / str(i))[1])
-        prefill += [s for replica, s in steps.items() if replica.startswith("prefill-")]
-    if not prefill:
-        raise ValueError(f"no prefill engine's trace in {', '.join(map(str, traces))}")
-    handoff = fit_handoff(prefill)
-    if handoff is None:
-        raise ValueError("too few prefill steps after a prefill to fit the handoff")
-    return handoff
+from pdserve.sim.validation.refit import handoff_of, refit  # noqa: E402
 
 
 def main() -> int:

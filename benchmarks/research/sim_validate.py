@@ -29,6 +29,8 @@ GPU: the calibration file's `colocated_serving_isl2048_osl256_poisson` table (pl
 one H200, Llama-3.1-8B shape) against the simulator fed the same file's profile, 1000 Poisson
 requests of 2048 in / 256 out per rate (vllm bench's default count; the file does not say).
 
+The replay, the comparison and the refits are pdserve.sim.validation (`measured_runs`, `refit`).
+
     .venv/bin/python benchmarks/research/sim_validate.py --profile benchmarks/results/sim/cpu-profile/colocated.json \\
         --arm colocated --measured benchmarks/results/cpu/2026-11-26-compare/colocated-rate*.json \\
         --out benchmarks/results/sim/validation-colocated
@@ -43,111 +45,28 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pdserve.bench.client import RequestOutcome  # noqa: E402
-from pdserve.bench.metrics import SLOTargets, compute_metrics  # noqa: E402
+from pdserve.bench.metrics import SLOTargets  # noqa: E402
 from pdserve.bench.report import result_json  # noqa: E402
+from pdserve.engine.step_trace import read_steps  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile, h200_kv_blocks  # noqa: E402
 from pdserve.sim.results import bench_result, run_json  # noqa: E402
 from pdserve.sim.runner import SimConfig, Topology, simulate  # noqa: E402
-from pdserve.sim.workload import Workload, at_rate  # noqa: E402
-
-METRICS = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "request_goodput",
-           "output_throughput")
-
-
-def replay(measured: dict) -> Workload:
-    """The measured run's own requests: arrival offsets and lengths."""
-    ok = [e in ("", None) for e in measured["errors"]]
-    starts = np.array(measured["start_times"], float)
-    order = np.argsort(starts, kind="stable")
-    prompts = np.array(measured["input_lens"], np.int64)
-    outputs = np.array([n if n else 1 for n in measured["output_lens"]], np.int64)
-    if not all(ok):
-        print(f"note: {ok.count(False)} failed request(s) replayed with their nominal lengths")
-    return Workload(starts[order] - starts.min(), prompts[order], outputs[order], "replay")
-
-
-def topology(arm: str) -> Topology:
-    return Topology.colocated(1) if arm == "colocated" else Topology.disaggregated(1, 1)
-
-
-def compare(sim: dict, measured: dict) -> dict:
-    row = {}
-    for key in METRICS:
-        m, s = measured.get(key), sim.get(key)
-        if m is None or s is None:
-            continue
-        row[key] = {"measured": m, "sim": s, "error_pct": (s - m) / m * 100 if m else None}
-    return row
-
-
-def compare_seeds(sims: list[dict], measured: dict) -> dict:
-    """`compare` against the median over simulations that differ only in their step noise's seed,
-    each metric's lowest and highest value kept as `sim_range`; one simulation: `compare`."""
-    if len(sims) == 1:
-        return compare(sims[0], measured)
-    median = {key: float(np.median([s[key] for s in sims])) for key in METRICS
-              if all(s.get(key) is not None for s in sims)}
-    row = compare(median, measured)
-    for key, cell in row.items():
-        values = [s[key] for s in sims]
-        cell["sim_range"] = [min(values), max(values)]
-    return row
-
-
-def run_windows(traces: dict[str, list], runs: list[dict]) -> list[tuple[float, float]]:
-    """(start, end) in trace time of each run. Trace time is monotonic and runs carry their
-    wall-clock start (`date`, to the second) and duration: the last run ends at the trace's last
-    busy stretch, and every run sits where its wall-clock start says, relative to it."""
-    import datetime
-
-    times = sorted(s.t for steps in traces.values() for s in steps)
-    # A stray step after the last run (a late abort) does not end it.
-    end = next(times[i] for i in range(len(times) - 1, 0, -1) if times[i] - times[i - 10] < 10)
-    starts = [datetime.datetime.strptime(r["date"], "%Y%m%d-%H%M%S").timestamp() for r in runs]
-    last_end = max(start + r["duration"] for start, r in zip(starts, runs, strict=True))
-    return [(end - (last_end - start) - 1, end - (last_end - start) + r["duration"] + 1)
-            for start, r in zip(starts, runs, strict=True)]
-
-
-def fitted_on_runs(profile: dict, traces: dict[str, list], windows: list[tuple[float, float]]
-                   ) -> dict:
-    """The profile with its step_fit refitted on the steps inside `windows`."""
-    from pdserve.engine.step_trace import fit_replicas
-
-    inside = {r: [s for s in steps if any(a <= s.t <= b for a, b in windows)]
-              for r, steps in traces.items()}
-    return {**profile, "step_fit": {**fit_replicas(inside).to_json(),
-                                    "windows": [list(w) for w in windows]}}
-
-
-def refitted_profile(profile: dict, traces: dict[str, list], runs: list[dict]) -> dict:
-    """The profile with its step_fit redone by today's fit on the profile's own steps: from its
-    recorded `since` (else the trace's first step) to the first measured run's start."""
-    from pdserve.sim.profile import step_fit_of
-
-    first_run = min(start for start, _ in run_windows(traces, runs))
-    since = (profile.get("step_fit") or {}).get("since")
-    since = min(s.t for steps in traces.values() for s in steps) if since is None else since
-    return {**profile, "step_fit": {**step_fit_of(traces, since, first_run),
-                                    "recorded_fit": profile.get("step_fit")}}
+from pdserve.sim.validation.measured_runs import (  # noqa: E402
+    METRICS, compare, compare_seeds, measured_outcomes, pooled_metrics, replay, topology,
+)
+from pdserve.sim.validation.refit import fitted_on_runs, refitted_profile, run_windows  # noqa: E402
+from pdserve.sim.workload import at_rate  # noqa: E402
 
 
 def cpu(args: argparse.Namespace) -> list[dict]:
     data = json.loads(Path(args.profile).read_text())
     if args.refit_trace:
-        from pdserve.engine.step_trace import read_steps
-
         runs = [json.loads(Path(p).read_text()) for p in args.trace_runs or args.measured]
         data = refitted_profile(data, read_steps(args.refit_trace), runs)
         (args.out / "profile-refitted.json").write_text(json.dumps(data, indent=1))
     if args.fit_trace:
-        from pdserve.engine.step_trace import read_steps
-
         traces = read_steps(args.fit_trace)
         placed = [str(p) for p in args.trace_runs or args.measured]
         windows = run_windows(traces, [json.loads(Path(p).read_text()) for p in placed])
@@ -185,26 +104,6 @@ def cpu(args: argparse.Namespace) -> list[dict]:
                      "metrics": compare(pooled["sim"], pooled["measured"]), "fitted_on": pool["fit"],
                      "pooled": len(pool["runs"])})
     return rows
-
-
-def measured_outcomes(measured: dict) -> list[RequestOutcome]:
-    """A bench result JSON's requests as the harness's outcomes (what compute_metrics reads)."""
-    return [RequestOutcome(success=error in ("", None), prompt_len=prompt, start_s=start,
-                           ttft_s=ttft or 0.0, itls_s=tuple(itls or ()), e2el_s=latency or 0.0,
-                           output_tokens=output, error=error or "")
-            for prompt, output, start, ttft, itls, latency, error in zip(
-                measured["input_lens"], measured["output_lens"], measured["start_times"],
-                measured["ttfts"], measured["itls"], measured["latencies"], measured["errors"],
-                strict=True)]
-
-
-def pooled_metrics(outcomes: list[RequestOutcome], duration_s: float, slo: SLOTargets) -> dict:
-    """The harness's metrics over the requests of several runs of one rate: percentiles over all
-    their requests; goodput and throughput over the sum of the runs' durations."""
-    m = compute_metrics(outcomes, duration_s, (50.0, 90.0, 99.0), slo)
-    return {"median_ttft_ms": m.ttft.median_ms, "p90_ttft_ms": m.ttft.percentile(90.0),
-            "median_tpot_ms": m.tpot.median_ms, "p90_tpot_ms": m.tpot.percentile(90.0),
-            "request_goodput": m.request_goodput, "output_throughput": m.output_throughput}
 
 
 def gpu(args: argparse.Namespace) -> list[dict]:

@@ -1,13 +1,12 @@
-"""benchmarks/ttft_breakdown.py: a request's TTFT split at vLLM's scheduler and its step."""
+"""pdserve.bench.ttft_breakdown: a request's TTFT split at vLLM's scheduler and its step."""
 
+import numpy as np
 import pytest
-from scripts import load_script
 
+from pdserve.bench import ttft_breakdown as script
 from pdserve.engine.step_trace import Step
 
 pytestmark = pytest.mark.unit
-
-script = load_script("research/ttft_breakdown", "ttft_breakdown")
 
 
 def test_the_parts_add_up_to_each_request_and_warm_ups_are_skipped():
@@ -36,7 +35,7 @@ def test_the_parts_add_up_to_each_request_and_warm_ups_are_skipped():
 
 def test_a_trace_with_fewer_arrivals_than_requests_is_an_error():
     with pytest.raises(ValueError, match="2 arrivals"):
-        script.match(script.np.array([1.0, 2.0]), script.np.array([0.0, 1.0, 2.0]))
+        script.match(np.array([1.0, 2.0]), np.array([0.0, 1.0, 2.0]))
 
 
 def test_repeats_of_one_arrival_schedule_are_matched_in_the_order_they_ran():
@@ -44,10 +43,10 @@ def test_repeats_of_one_arrival_schedule_are_matched_in_the_order_they_ran():
     sends = [0.0, 0.7, 1.1, 2.9, 3.0]
     arrivals = [50 + t for t in sends] + [80 + t + 0.0001 * i for i, t in enumerate(sends)]
     arrivals[1] += 0.002  # the first repeat's way in was a little slower once
-    arrived = script.np.array(arrivals)
-    first = script.match(arrived, script.np.array(sends))
+    arrived = np.array(arrivals)
+    first = script.match(arrived, np.array(sends))
     assert first == 0
-    assert script.match(arrived, script.np.array(sends), after=first + len(sends)) == 5
+    assert script.match(arrived, np.array(sends), after=first + len(sends)) == 5
 
 
 def test_the_actors_side_splits_the_way_in_and_out():

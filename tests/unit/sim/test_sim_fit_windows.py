@@ -1,4 +1,4 @@
-"""benchmarks/sim_validate.py and sim_refit_profile.py: which steps a refitted step model sees
+"""pdserve.sim.validation (refit, measured_runs, gpu_runs): which steps a refitted step model sees
 (the profile's own, one repeat's runs, a window of the trace)."""
 
 import json
@@ -7,13 +7,9 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.step_trace import Step, StepTraceWriter
-
-from scripts import load_script
+from pdserve.sim.validation import gpu_runs, measured_runs, refit
 
 pytestmark = pytest.mark.unit
-
-validate = load_script("research/sim_validate", "sim_validate")
-refit_script = load_script("research/sim_refit_profile", "sim_refit_profile")
 
 
 def engine(step_s: float, t0: float, steps: int, batch: int = 4) -> list[Step]:
@@ -36,15 +32,15 @@ def test_runs_are_placed_on_the_trace_clock_and_fitted_alone(tmp_path):
     traces = {"colocated-0": steps}
     runs = [{"date": "20261127-110000", "duration": 10.0},
             {"date": "20261127-110140", "duration": 10.0}]
-    windows = validate.run_windows(traces, runs)
+    windows = refit.run_windows(traces, runs)
     assert windows[1][1] == pytest.approx(210.0, abs=1.1)
     assert windows[0][0] == pytest.approx(99.0, abs=1.1)
-    first = validate.fitted_on_runs({}, traces, [windows[0]])["step_fit"]
+    first = refit.fitted_on_runs({}, traces, [windows[0]])["step_fit"]
     assert first["decode_step_s"] + 4 * first["decode_step_per_seq_s"] == pytest.approx(0.020)
-    second = validate.fitted_on_runs({}, traces, [windows[1]])["step_fit"]
+    second = refit.fitted_on_runs({}, traces, [windows[1]])["step_fit"]
     assert second["decode_step_s"] + 4 * second["decode_step_per_seq_s"] == pytest.approx(0.030)
     # The profile's own steps: everything before the first run.
-    own = validate.refitted_profile({"step_fit": {"since": 0.0}}, traces, runs)["step_fit"]
+    own = refit.refitted_profile({"step_fit": {"since": 0.0}}, traces, runs)["step_fit"]
     assert own["decode_step_s"] + 4 * own["decode_step_per_seq_s"] == pytest.approx(0.010)
     assert own["recorded_fit"] == {"since": 0.0}
 
@@ -52,17 +48,17 @@ def test_runs_are_placed_on_the_trace_clock_and_fitted_alone(tmp_path):
 def test_a_profile_is_refitted_on_its_recorded_steps_or_a_given_window(tmp_path):
     trace = write_trace(tmp_path / "steps", engine(0.010, 0.0, 200) + engine(0.030, 100.0, 200))
     profile = {"step_fit": {"decode_step_s": 1.0, "since": 50.0}}
-    later = refit_script.refit(profile, trace)["step_fit"]
+    later = refit.refit(profile, trace)["step_fit"]
     assert later["decode_step_s"] + 4 * later["decode_step_per_seq_s"] == pytest.approx(0.030)
     assert later["recorded_fit"] == profile["step_fit"]
-    early = refit_script.refit(profile, trace, since=0.0, until=10.0)["step_fit"]
+    early = refit.refit(profile, trace, since=0.0, until=10.0)["step_fit"]
     assert early["decode_step_s"] + 4 * early["decode_step_per_seq_s"] == pytest.approx(0.010)
     # A packed trace (proof.sh's profile-steps.tar.xz) reads the same.
     import tarfile
     packed = tmp_path / "profile-steps.tar.xz"
     with tarfile.open(packed, "w:xz") as tar:
         tar.add(trace, arcname="steps")
-    assert refit_script.refit(profile, packed)["step_fit"]["steps"] == later["steps"]
+    assert refit.refit(profile, packed)["step_fit"]["steps"] == later["steps"]
     json.dumps(later)  # what the script writes
 
 
@@ -80,11 +76,11 @@ def test_pooled_repeats_score_every_request_of_a_rate_together():
     slo = SLOTargets(ttft_ms=500.0, tpot_ms=200.0)
     r1 = bench_json(1.0, [0.2, 0.4, 0.6], [1.1, 1.3, 1.5], [10, 10, 10], 4.0)
     r2 = bench_json(1.0, [0.8, 1.0], [1.7, 1.9], [10, 10], 6.0)
-    one = validate.pooled_metrics(validate.measured_outcomes(r1), 4.0, slo)
+    one = measured_runs.pooled_metrics(measured_runs.measured_outcomes(r1), 4.0, slo)
     assert one["median_ttft_ms"] == pytest.approx(400.0)
     assert one["request_goodput"] == pytest.approx(2 / 4.0)  # 0.2 and 0.4 s meet 500 ms
-    both = validate.pooled_metrics(validate.measured_outcomes(r1) + validate.measured_outcomes(r2),
-                                   10.0, slo)
+    pooled = measured_runs.measured_outcomes(r1) + measured_runs.measured_outcomes(r2)
+    both = measured_runs.pooled_metrics(pooled, 10.0, slo)
     assert both["median_ttft_ms"] == pytest.approx(600.0)  # the median of all five requests
     assert both["median_tpot_ms"] == pytest.approx(100.0)  # (1.1 - 0.2) / 9, and so on
     assert both["request_goodput"] == pytest.approx(2 / 10.0)
@@ -116,27 +112,26 @@ def test_the_handoff_is_fitted_on_other_runs_prefill_engines(tmp_path):
             writer.record(s)
         writer.close()
         runs.append(tmp_path / f"run{i}")
-    assert refit_script.handoff_of(runs) == pytest.approx(0.0009, abs=1e-6)
+    assert refit.handoff_of(runs) == pytest.approx(0.0009, abs=1e-6)
     colocated = write_trace(tmp_path / "colocated", engine(0.010, 0.0, 50))
     with pytest.raises(ValueError, match="no prefill engine"):
-        refit_script.handoff_of([colocated])
+        refit.handoff_of([colocated])
 
 
 def test_with_step_noise_each_metric_is_the_median_over_the_seeds_with_its_range():
     measured = {"median_ttft_ms": 100.0, "p90_ttft_ms": 200.0}
     sims = [{"median_ttft_ms": v, "p90_ttft_ms": 2 * v} for v in (90.0, 130.0, 110.0)]
-    row = validate.compare_seeds(sims, measured)
+    row = measured_runs.compare_seeds(sims, measured)
     assert row["median_ttft_ms"]["sim"] == 110.0 and row["median_ttft_ms"]["sim_range"] == [90.0, 130.0]
     assert row["p90_ttft_ms"]["error_pct"] == pytest.approx(10.0)
     # one simulation (no noise): the plain comparison, no range
-    assert validate.compare_seeds(sims[:1], measured) == validate.compare(sims[0], measured)
+    assert measured_runs.compare_seeds(sims[:1], measured) == measured_runs.compare(sims[0], measured)
 
 
 def test_the_gpu_validation_takes_the_median_of_the_seeded_runs():
-    gpu = load_script("research/sim_validate_gpu", "sim_validate_gpu")
     runs = [{"median_ttft_ms": t, "p90_ttft_ms": t, "median_tpot_ms": 8.0, "p90_tpot_ms": 9.0,
              "request_throughput": 10.0, "slo_attainment": {"all": a}, "failed": f}
             for t, a, f in ((50.0, 0.9, 0), (70.0, 0.7, 2), (60.0, 0.8, 0), (65.0, 0.95, 0))]
-    out = gpu.median_result(runs)
+    out = gpu_runs.median_result(runs)
     assert out["median_ttft_ms"] == 62.5 and out["slo_attainment"]["all"] == pytest.approx(0.85)
     assert out["failed"] == 2 and out["request_throughput"] == 10.0

@@ -1,15 +1,13 @@
-"""benchmarks/sim_validate_repeats.py: every validation holds its target out, and the summary
+"""pdserve.sim.validation.repeats: every validation holds its target out, and the summary
 counts what the scores count."""
 
 import json
 
 import pytest
 
-from scripts import load_script
+from pdserve.sim.validation import repeats
 
 pytestmark = pytest.mark.unit
-
-repeats = load_script("research/sim_validate_repeats", "sim_validate_repeats")
 
 
 def flag(args, name):

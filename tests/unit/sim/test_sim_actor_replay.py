@@ -1,4 +1,4 @@
-"""benchmarks/actor_replay.py: an engine's actor-side submissions replayed through one simulated
+"""pdserve.sim.validation.actor_replay: an engine's actor-side submissions replayed through one simulated
 engine, run by run."""
 
 import numpy as np
@@ -6,12 +6,9 @@ import pytest
 
 from pdserve.scheduler.perf_model import PerfModel
 from pdserve.sim.engine_profile import EngineProfile
-
-from scripts import load_script
+from pdserve.sim.validation import actor_replay as replay
 
 pytestmark = pytest.mark.unit
-
-replay = load_script("research/actor_replay", "actor_replay")
 
 # 10 ms + tokens / 1000 per step, no async scheduling: a lone 100-token prompt takes 110 ms.
 PROFILE = EngineProfile(perf=PerfModel(prefill_tokens_per_s=1000.0, decode_step_s=0.010))

@@ -1,4 +1,4 @@
-"""benchmarks/sim_validate_score.py: which cells count, the tolerance, and the repeat spread that
+"""pdserve.sim.validation.score: which cells count, the tolerance, and the repeat spread that
 comes from measured values only."""
 
 import json
@@ -6,15 +6,13 @@ import sys
 
 import pytest
 
-from scripts import load_script
+from pdserve.sim.validation import score as scorer
 
 pytestmark = pytest.mark.unit
 
-scorer = load_script("research/sim_validate_score", "sim_validate_score")
-
 
 def validation(rate_rows):
-    """{rate: {metric: (measured, sim)}} -> a sim_validate.py validation."""
+    """{rate: {metric: (measured, sim)}} -> a validation (benchmarks/research/sim_validate.py's)."""
     rows = []
     for rate, metrics in rate_rows.items():
         rows.append({"run": f"r{rate}", "arm": "colocated", "rate": rate, "metrics": {
