@@ -1,25 +1,27 @@
-"""benchmarks/sim_study.py: days under a seed, the spread over days, and the recorded study."""
+"""pdserve.sim.study (benchmarks/sim_study.py): days under a seed, the spread over days, and the recorded study."""
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from tests.unit.bench.scripts import BENCHMARKS, load_script
+from pdserve.sim import study
 
-study = load_script("sim_study")
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 RECORDED = BENCHMARKS / "results" / "sim" / "study"
+CALIBRATION = BENCHMARKS / "profiles" / "h200-vllm0.24-llama8b.json"
 
 
-def args(arm: str, cells: int = 1000, **kw) -> argparse.Namespace:
-    return argparse.Namespace(arm=arm, peak_rate=600.0, bursts=6, cells=cells, **kw)
+def day(arm: str, seed: int, cells: int = 1000) -> dict:
+    """One arm's day at the study's traffic (600 req/s peak, 6 bursts), as `day_summary` gives it."""
+    traffic = study.Traffic(peak_rate=600.0, bursts=6, cells=cells)
+    return study.day_summary(study.run_day(arm, traffic, seed, study.h200_profile(CALIBRATION)))
 
 
 def test_a_day_repeats_under_its_seed_and_another_seed_is_another_day():
-    a = study.day_summary(study.run_day(args("pdserve"), seed=3))
-    b = study.day_summary(study.run_day(args("pdserve"), seed=3))
-    c = study.day_summary(study.run_day(args("pdserve"), seed=4))
+    a = day("pdserve", seed=3)
+    b = day("pdserve", seed=3)
+    c = day("pdserve", seed=4)
     for key in ("gpu_hours", "slo_attainment", "completed", "scaling_decisions", "hourly_attainment"):
         assert a[key] == b[key]
     assert a["completed"] != c["completed"]  # other arrivals
@@ -56,9 +58,9 @@ def test_the_recorded_study_is_what_the_code_gives_today():
     production policy that moves it must re-record the study (its README section gives the
     commands), so the results never describe code that no longer exists."""
     recorded = json.loads((RECORDED / "seeds" / "pdserve-tuned-seed0.json").read_text())
-    if not study.CALIBRATION.exists():
-        pytest.fail(f"{study.CALIBRATION} is missing")
-    now = study.day_summary(study.run_day(args("pdserve-tuned", cells=100), seed=0))
+    if not CALIBRATION.exists():
+        pytest.fail(f"{CALIBRATION} is missing")
+    now = day("pdserve-tuned", seed=0, cells=100)
     stale = (f"benchmarks/results/sim/study was recorded on {recorded['commit']} and no longer "
              f"matches the code: re-record it (benchmarks/results/sim/README.md, section 3)")
     assert now["completed"] == recorded["completed"], stale
