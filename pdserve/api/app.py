@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.api.errors import OpenAIError, bad_request, internal, overloaded
-from pdserve.api.metrics import ServingMetrics
+from pdserve.serving.metrics import ServingMetrics
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.serving import OpenAIServing, PreparedRequest
 from pdserve.serving.backend import EngineBackend
@@ -40,10 +40,10 @@ _DISCONNECT_POLL_S = 0.25
 
 
 def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
-              max_queued_requests: int = 1024, default_max_tokens: int | None = None,
-              metrics: ServingMetrics | None = None) -> FastAPI:
-    metrics = metrics or ServingMetrics()
-    serving = OpenAIServing(backend, tokenizer, served_name, metrics, default_max_tokens)
+              max_queued_requests: int = 1024, default_max_tokens: int | None = None) -> FastAPI:
+    # The backend's metrics: its request flow observes each request as the ledger timed it.
+    metrics = backend.metrics
+    serving = OpenAIServing(backend, tokenizer, served_name, default_max_tokens)
     admission = _Admission(max_queued_requests)
 
     @contextlib.asynccontextmanager

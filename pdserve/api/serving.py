@@ -1,8 +1,9 @@
 """Turning OpenAI requests into engine requests, and engine deltas into OpenAI responses.
 
 `OpenAIServing` owns the tokenizer and the checks that need it (context length), and runs a
-request against the backend either to completion or as an SSE stream. Timings for metrics are
-taken here, as the client sees them.
+request against the backend either to completion or as an SSE stream. Request metrics are
+observed by the backend's request flow, with the request ledger's timing (one timer for the
+SLO tracker and Prometheus).
 """
 
 from __future__ import annotations
@@ -19,33 +20,10 @@ from typing import Any
 from pdserve.api.errors import (
     OpenAIError, bad_request, internal, model_not_found, overloaded, unavailable,
 )
-from pdserve.api.metrics import ServingMetrics
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.engine.types import GenerateDelta, GenerateRequest, SamplingOptions
 from pdserve.errors import EngineRequestError, EngineUnavailableError, OverloadedError
 from pdserve.serving.backend import EngineBackend
-
-
-@dataclass(slots=True)
-class _Timeline:
-    """Client-visible timings and counts of one request, for metrics."""
-
-    arrival: float
-    first_token: float | None = None
-    last_token: float | None = None
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    finish_reason: str = "error"
-
-    def record(self, delta: GenerateDelta) -> None:
-        now = time.perf_counter()
-        if delta.token_ids:
-            self.first_token = self.first_token or now
-            self.last_token = now
-        self.prompt_tokens = delta.num_prompt_tokens
-        self.output_tokens = delta.num_output_tokens
-        if delta.finish_reason:
-            self.finish_reason = delta.finish_reason
 
 
 @dataclass(slots=True)
@@ -56,16 +34,14 @@ class PreparedRequest:
     include_usage: bool
     # Set by `OpenAIServing.start`: the placed request's deltas (placement happened already).
     deltas: AsyncIterator[GenerateDelta] | None = None
-    arrival: float = 0.0
 
 
 class OpenAIServing:
     def __init__(self, backend: EngineBackend, tokenizer: Any, served_name: str,
-                 metrics: ServingMetrics, default_max_tokens: int | None = None) -> None:
+                 default_max_tokens: int | None = None) -> None:
         self._backend = backend
         self._tokenizer = tokenizer
         self.served_name = served_name
-        self._metrics = metrics
         self._default_max_tokens = default_max_tokens
 
     @property
@@ -92,7 +68,6 @@ class OpenAIServing:
     def start(self, prepared: PreparedRequest) -> None:
         """Place the request with the backend before any response byte is sent, so that a
         refusal (429 with Retry-After) or an unavailable pool (503) is a proper HTTP status."""
-        prepared.arrival = time.perf_counter()
         try:
             prepared.deltas = self._backend.generate(prepared.engine_request)
         except OverloadedError as e:
@@ -132,34 +107,17 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     async def _run(self, prepared: PreparedRequest) -> AsyncIterator[GenerateDelta]:
-        timeline = _Timeline(arrival=prepared.arrival or time.perf_counter())
         request = prepared.engine_request
-        timeline.prompt_tokens = len(request.prompt_token_ids)
         stream = prepared.deltas or self._backend.generate(request)
         prepared.deltas = None
         try:
             async with aclosing(stream) as deltas:
                 async for delta in deltas:
-                    timeline.record(delta)
                     yield delta
         except EngineUnavailableError as e:
             raise unavailable(str(e)) from e
         except EngineRequestError as e:
             raise internal(f"request {request.request_id} failed in its engine: {e}") from e
-        except (asyncio.CancelledError, GeneratorExit):
-            timeline.finish_reason = "client_disconnect"
-            raise
-        finally:
-            self._observe(timeline)
-
-    def _observe(self, t: _Timeline) -> None:
-        now = time.perf_counter()
-        ttft = t.first_token - t.arrival if t.first_token else None
-        tpot = None
-        if t.first_token and t.last_token and t.output_tokens > 1:
-            tpot = (t.last_token - t.first_token) / (t.output_tokens - 1)
-        self._metrics.observe_request(self._backend.serving_pool, ttft, tpot, now - t.arrival,
-                                      t.prompt_tokens, t.output_tokens, t.finish_reason)
 
     def _prepare(self, kind: str, prefix: str, body: Any, ids: list[int],
                  max_tokens: int | None) -> PreparedRequest:

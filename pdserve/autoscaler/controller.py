@@ -1,6 +1,6 @@
 """The autoscaling loop's decision step, shared by the Ray service and the simulator.
 
-`Autoscaler.evaluate(scheduler, now)` reads each pool's signals from the `GlobalScheduler`,
+`Autoscaler.evaluate(ledger, now)` reads each pool's signals from the `RequestLedger`,
 runs the pure policy (`policy.decide`) per pool with that pool's bounds and remembered state,
 fits the scale-ups into a shared device budget when one is set (`max_gpus`: a fixed cluster, so
 the pools compete for its GPUs and the autoscaler picks the prefill:decode ratio; a pool that
@@ -18,10 +18,11 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from pdserve.autoscaler.policy import (
-    AT_BUDGET, LATENCY_REASONS, REBALANCE, PoolBounds, PoolSignals, ScalingDecision, ScalingPolicy,
-    ScalingState, decide, latency_breaches,
+    AT_BUDGET, LATENCY_REASONS, REBALANCE, PoolBounds, ScalingDecision, ScalingPolicy, ScalingState,
+    decide, latency_breaches,
 )
-from pdserve.scheduler.scheduler import GlobalScheduler
+from pdserve.scheduler.ledger import RequestLedger
+from pdserve.scheduler.types import PoolSignals
 
 
 class Autoscaler:
@@ -38,10 +39,10 @@ class Autoscaler:
         self._states = {pool: ScalingState() for pool in self.bounds}
         self.history: deque[tuple[float, ScalingDecision]] = deque(maxlen=history)
 
-    def evaluate(self, scheduler: GlobalScheduler, now: float) -> list[ScalingDecision]:
+    def evaluate(self, ledger: RequestLedger, now: float) -> list[ScalingDecision]:
         proposed, signals = {}, {}
         for pool, bounds in self.bounds.items():
-            signals[pool] = scheduler.signals(pool, now)
+            signals[pool] = ledger.signals(pool, now)
             proposed[pool] = decide(
                 signals[pool], self._states[pool], bounds, self.ttft_target_s,
                 self.tpot_target_s, now, self.policy)

@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from pdserve.scheduler.types import PoolSignals
+
 # Reasons (metric label values).
 TTFT_BREACH = "ttft_breach"
 PREFILL_LOAD = "prefill_load"
@@ -71,21 +73,6 @@ class ScalingPolicy:
     kv_low: float = 0.5
     max_step: int = 4
     min_samples: int = 5  # fewer requests in the window: latency percentiles are not trusted
-
-
-@dataclass(frozen=True, slots=True)
-class PoolSignals:
-    pool: str  # "prefill", "decode" or "colocated"
-    replicas: int  # engines serving (not draining), starting ones included
-    starting: int = 0  # of `replicas`, not ready yet
-    samples: int = 0  # requests behind the percentiles
-    ttft_s: float | None = None  # observed at the SLO percentile over the window
-    tpot_s: float | None = None
-    # The larger of arriving prompt tokens/s over the pool's modelled prefill capacity and the
-    # measured share of time its engines had a prompt in prefill.
-    prefill_utilization: float = 0.0
-    decode_utilization: float = 0.0  # running batch over the batch that meets the TPOT target
-    kv_usage: float = 0.0  # mean over the pool's engines, 0..1
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,16 @@ values: never a vLLM object, never a tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
+
+
+class Leg(Enum):
+    """What one engine does for a request."""
+
+    FULL = "full"  # prefill and decode here (colocated, a local prefill, a recompute)
+    PREFILL = "prefill"  # the first token only; the KV stays for a decode leg to pull
+    DECODE = "decode"  # pull the prompt's KV from the prefill engine, decode from token 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,6 @@ Disaggregated placement (`place`):
   idle engines).
 
 Colocated placement (`place_colocated`) picks by the same TTFT prediction, then decode headroom.
-`pick_least_loaded` is the SLO-free fallback for backends without a performance model.
 """
 
 from __future__ import annotations
@@ -34,15 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.scheduler.perf_model import PerfModel
-
-
-@dataclass(frozen=True, slots=True)
-class SloTargets:
-    """Per-request latency targets; `percentile` is what the autoscaler holds them at."""
-
-    ttft_s: float
-    tpot_s: float
-    percentile: float = 90.0
+from pdserve.scheduler.types import SloTargets
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,30 +219,3 @@ def _retry_after(seconds: float) -> float:
     return min(max(seconds, 1.0), 60.0)
 
 
-# --- SLO-free fallback ------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class ReplicaLoad:
-    """Least-loaded routing input (backends without a performance model)."""
-
-    replica_id: str
-    in_flight: int  # requests the frontend has sent and not seen finish
-    num_waiting: int = 0  # engine-reported queue (may lag by one stats interval)
-    kv_cache_usage: float = 0.0
-    healthy: bool = True
-
-
-def pick_least_loaded(loads: Sequence[ReplicaLoad]) -> str | None:
-    """The healthy engine with the fewest outstanding requests; None when none is healthy.
-
-    Ties break on KV usage (less memory pressure keeps decode steps short), then on id so the
-    choice is deterministic for the same snapshot.
-    """
-    healthy = [load for load in loads if load.healthy]
-    if not healthy:
-        return None
-    best = min(
-        healthy,
-        key=lambda l: (l.in_flight + l.num_waiting, l.kv_cache_usage, l.replica_id),
-    )
-    return best.replica_id

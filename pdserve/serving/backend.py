@@ -1,9 +1,10 @@
 """The frontend's view of the engines: route a request, stream its deltas back.
 
-`EngineBackend` is what the HTTP layer talks to. `RayBackend` routes among engine actors;
-`InProcessBackend` (pdserve.testing) wraps engine objects directly for tests without Ray.
-Whichever backend, a request that stops being consumed before it finishes (client gone, error)
-is aborted in its engine, so no engine keeps generating for nobody.
+`EngineBackend` is what the HTTP layer talks to. `RayBackend` reaches engine actors;
+`InProcessBackend` (pdserve.testing) engine objects in this process, for tests without Ray. Both
+admit and run requests with the same request ledger and request flow (`flow.py`), so a request
+that stops being consumed before it finishes (client gone, error) is aborted in its engine, and
+its metrics are observed once, as the ledger timed it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
+from pdserve.serving.metrics import ServingMetrics
 
 
 class EngineBackend(Protocol):
+    metrics: ServingMetrics  # request latencies (observed by the flow) and engine gauges
+
     @property
     def info(self) -> EngineInfo:
         """Facts shared by all engines (model, context length), from the first engine."""
@@ -35,7 +39,8 @@ class EngineBackend(Protocol):
         ...
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        """Route and stream one request. Raises EngineUnavailableError / EngineRequestError."""
+        """Admit the request at once (raising OverloadedError / EngineUnavailableError before
+        any response starts), then stream it; the stream raises EngineRequestError."""
         ...
 
     async def refresh_stats(self) -> list[EngineStats]:

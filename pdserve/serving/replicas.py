@@ -23,7 +23,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from pdserve.config.schema import PdserveConfig, PoolRole
 from pdserve.engine.actor import EngineActor, EngineSpec
-from pdserve.engine.types import EngineInfo, EngineStats
+from pdserve.engine.types import EngineInfo
 from pdserve.errors import EngineStartError
 from pdserve.models.embedded import ResolvedModel
 from pdserve.serving.engine_outputs import EngineOutputs
@@ -33,14 +33,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Replica:
+    """One engine actor and the frontend's end of its output stream. What the engine is doing
+    (health, readiness, draining, work in flight) lives in the ledger's engine registry."""
+
     replica_id: str
     pool: PoolRole
     actor: Any  # ray.actor.ActorHandle
-    info: EngineInfo | None = None
-    in_flight: int = 0
-    stats: EngineStats | None = None
-    healthy: bool = True
-    draining: bool = False
+    info: EngineInfo | None = None  # set once started
     outputs: EngineOutputs = field(init=False)  # the actor's deltas, routed per request
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@
 autoscaling: every interval, look at the pool's p99 TTFT over the window; above the target, add
 one engine (after `upscale_intervals` in a row and a cooldown); below `downscale_ratio` x target
 for `downscale_intervals` in a row, remove one. It sees no load, KV or TPOT signal and scales a
-single pool. It reads the same `GlobalScheduler.signals` and returns the same
+single pool. It reads the same `RequestLedger` books and returns the same
 `ScalingDecision`s as `pdserve.autoscaler.controller.Autoscaler`, so the simulator applies
 either one the same way.
 """
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from pdserve.autoscaler.policy import PoolBounds, ScalingDecision
-from pdserve.scheduler.scheduler import GlobalScheduler
+from pdserve.scheduler.ledger import RequestLedger
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +42,12 @@ class TtftOnlyAutoscaler:
         self._states = {pool: _State() for pool in self.bounds}
         self.history: deque[tuple[float, ScalingDecision]] = deque(maxlen=history)
 
-    def evaluate(self, scheduler: GlobalScheduler, now: float) -> list[ScalingDecision]:
+    def evaluate(self, ledger: RequestLedger, now: float) -> list[ScalingDecision]:
         decisions = []
         for pool, bounds in self.bounds.items():
-            engines = [e for e in scheduler.engines(pool) if not e.draining and e.healthy]
+            engines = [e for e in ledger.engines.engines(pool) if not e.draining and e.healthy]
             n = len(engines)
-            summary = scheduler.tracker.summary(pool, now, self.percentile)
+            summary = ledger.tracker.summary(pool, now, self.percentile)
             ttft = summary.ttft_p_s
             state = self._states[pool]
             target, reason, detail = n, "steady", "within target"

@@ -7,10 +7,11 @@ each step's arrivals are grouped into cohorts and each cohort is placed once; en
 by batch; latencies go into histograms. Lifecycle of `FluidSimulation.run(arrivals)`:
 
 1. each pool's engines are split into at most `max_groups` `EngineGroup`s (fluid_group.py);
-   a group is what the router sees as one engine. Two `GlobalScheduler`s hold the books:
+   a group is what the router sees as one engine. Two `RequestLedger`s hold the books:
    `router` has one engine per group, with per-engine values (queued prompt tokens, decode
    batch, KV usage; fractional, since a group's load is spread over its engines), and routes
-   through the production `GlobalScheduler.route` -> `routing.place` / `place_colocated`;
+   through the production `RequestLedger.place` -> `routing.place` / `place_colocated` and
+   books each cohort with `admit_cohort`, then `resync`s each group's books once per step;
    `census` has one engine per real engine and feeds `Autoscaler.evaluate` -> `policy.decide`
    the same signals the per-request simulator gives it (pool size, starting engines, KV usage,
    decode batch, the SLO tracker's windowed TTFT/TPOT and arriving prompt tokens);
@@ -48,8 +49,9 @@ import numpy as np
 
 from pdserve.autoscaler.policy import ScalingDecision
 from pdserve.bench.metrics import SLOTargets
+from pdserve.scheduler.ledger import RequestLedger
 from pdserve.scheduler.routing import Rejection
-from pdserve.scheduler.scheduler import COLOCATED, DECODE, PREFILL, GlobalScheduler
+from pdserve.scheduler.types import COLOCATED, DECODE, PREFILL
 from pdserve.sim.fluid_group import EngineGroup
 from pdserve.sim.histogram import OutcomeTally
 from pdserve.sim.results import config_section
@@ -139,10 +141,10 @@ class FluidSimulation:
         self.fluid = fluid
         perf = config.profile.perf
         pools = list(config.topology.pools)
-        self.router = GlobalScheduler(pools, perf, config.slo, config.routing,
-                                      window_s=config.window_s, prefix_aware=False)
-        self.census = GlobalScheduler(pools, perf, config.slo, config.routing,
-                                      window_s=config.window_s, prefix_aware=False)
+        self.router = RequestLedger(pools, perf, config.slo, config.routing,
+                                    window_s=config.window_s, prefix_aware=False)
+        self.census = RequestLedger(pools, perf, config.slo, config.routing,
+                                    window_s=config.window_s, prefix_aware=False)
         self.autoscaler = build_autoscaler(config)
         self.tally = OutcomeTally(goodput)
         self.groups: dict[str, dict[str, EngineGroup]] = {p: {} for p in pools}
@@ -171,7 +173,7 @@ class FluidSimulation:
         self.groups[pool][gid] = group
         self._all_groups.append(group)
         p = self.config.profile
-        self.router.add_engine(pool, gid, p.block_size, p.num_kv_blocks, ready=False)
+        self.router.engines.add(pool, gid, p.block_size, p.num_kv_blocks, ready=False)
         return group
 
     def _add_engine(self, pool: str, now: float, ready: bool) -> None:
@@ -183,10 +185,10 @@ class FluidSimulation:
         rid = f"{pool}-{self._engine_index[pool]}"
         self._engine_index[pool] += 1
         p = self.config.profile
-        self.census.add_engine(pool, rid, p.block_size, p.num_kv_blocks, ready=ready)
+        self.census.engines.add(pool, rid, p.block_size, p.num_kv_blocks, ready=ready)
         if ready:
             group.ready.append(rid)
-            self.router.mark_ready(pool, group.group_id)
+            self.router.engines.mark_ready(pool, group.group_id)
         else:
             group.starting.append((now + p.startup_s, rid))
 
@@ -208,8 +210,8 @@ class FluidSimulation:
                                                 g.batch, -len(g.ready), g.group_id))
             if len(group.ready) == 1 and not group.starting:
                 group.draining = True
-                self.router.engine(pool, group.group_id).draining = True
-                self.census.engine(pool, group.ready[0]).draining = True
+                self.router.engines.drain(pool, group.group_id)
+                self.census.engines.drain(pool, group.ready[0])
                 self._draining_engines[pool] += 1
             else:
                 self.census.remove_engine(pool, group.ready.pop())
@@ -230,8 +232,8 @@ class FluidSimulation:
         for pool, groups in self.groups.items():
             for group in groups.values():
                 for rid in group.begin_step(t0, t1):
-                    self.census.mark_ready(pool, rid)
-                    self.router.mark_ready(pool, group.group_id)
+                    self.census.engines.mark_ready(pool, rid)
+                    self.router.engines.mark_ready(pool, group.group_id)
         times, prompts, outputs = arrivals
         if len(times):
             self._route(times, prompts, outputs, t0, t1)
@@ -244,10 +246,10 @@ class FluidSimulation:
             self._gpu_s[pool] += engines * dt * self.config.profile.gpus
             for group in groups.values():
                 ready = max(len(group.ready), 1)
-                state = self.router.engine(pool, group.group_id)
-                state.queued_prefill_tokens = group.queued_tokens(t1) / ready
-                state.num_decoding = (group.decoding + group.joining.count()) / ready
-                state.kv_usage = group.kv_used / (ready * self.config.profile.num_kv_blocks)
+                self.router.resync(
+                    pool, group.group_id, queued_prefill_tokens=group.queued_tokens(t1) / ready,
+                    num_decoding=(group.decoding + group.joining.count()) / ready,
+                    kv_usage=group.kv_used / (ready * self.config.profile.num_kv_blocks))
 
     def _route(self, times, prompts, outputs, t0: float, t1: float) -> None:
         """Place the step's arrivals cohort by cohort, then prefill them in their groups."""
@@ -303,7 +305,7 @@ class FluidSimulation:
     def _place(self, count: int, tokens: int, outputs: int, now: float,
                prof) -> tuple[EngineGroup, EngineGroup] | None:
         """Route one cohort and book it; its (prefilling, decoding) groups, None if rejected."""
-        placement = self.router.route(range(max(1, tokens // count)), max(1, outputs // count))
+        placement = self.router.place(max(1, tokens // count), max(1, outputs // count))
         self.route_calls += 1
         if isinstance(placement, Rejection):
             self.rejected[placement.reason] = self.rejected.get(placement.reason, 0) + count
@@ -316,14 +318,11 @@ class FluidSimulation:
         else:
             group = self.groups[PREFILL][placement.prefill]
             decode = self.groups[DECODE][placement.decode]
-        ready = len(group.ready)
-        state = self.router.engine(group.pool, group.group_id)
-        state.queued_prefill_tokens += tokens / ready
-        self.census.tracker.record_arrival(group.pool, now, tokens)
-        d_state = self.router.engine(decode.pool, decode.group_id)
-        d_state.num_decoding += count / len(decode.ready)
-        d_state.kv_usage += (prof.blocks(tokens + outputs) /
-                             (len(decode.ready) * prof.num_kv_blocks))
+        self.router.admit_cohort(
+            placement, prefill_tokens=tokens / len(group.ready),
+            decode_requests=count / len(decode.ready),
+            kv_usage=prof.blocks(tokens + outputs) / (len(decode.ready) * prof.num_kv_blocks))
+        self.census.observe_arrival(group.pool, now, tokens)
         return group, decode
 
     def _after_prefill(self, group: EngineGroup, groups: list[EngineGroup],
@@ -334,7 +333,7 @@ class FluidSimulation:
         prof = self.config.profile
         arrival, prompt, out = times[idx], prompts[idx], outputs[idx]
         ttft = ft + self._response(prompt) - arrival
-        self._track(group.pool, arrival[0], ttft, self.census.tracker.record_ttft)
+        self._track(group.pool, arrival[0], ttft, self.census.observe_ttft)
         full = -(-(prompt + out) // prof.block_size)
         remote = group.pool == PREFILL
         if remote:  # the prompt's blocks stay on the prefill engine until pulled
@@ -404,7 +403,7 @@ class FluidSimulation:
                 self.tally.add_done(ttft, tpot, e2el, prompt, out)
                 self._end_s = max(self._end_s, float(t_finish.max()))
                 self._track(group.pool, float(t_finish.max()), tpot,
-                            self.census.tracker.record_tpot)
+                            self.census.observe_tpot)
 
     # --- control loops ----------------------------------------------------------------------
 
@@ -414,9 +413,7 @@ class FluidSimulation:
                 kv = group.kv_used / (max(len(group.ready), 1) * self.config.profile.num_kv_blocks)
                 batch = group.batch
                 for rid in group.ready:
-                    state = self.census.engine(pool, rid)
-                    state.kv_usage = kv
-                    state.num_decoding = batch
+                    self.census.resync(pool, rid, num_decoding=batch, kv_usage=kv)
 
     def _autoscale(self, now: float) -> None:
         self._sync_census()

@@ -1,17 +1,16 @@
 """The simulation: production routing and autoscaling driving simulated engines on virtual time.
 
 Lifecycle of `Simulation.run(workload)`:
-1. build a `GlobalScheduler` (the object the Ray backend routes through) and, when the topology
+1. build a `RequestLedger` (the object the Ray backend routes through) and, when the topology
    has bounds, an `Autoscaler`; add the initial engines (ready at t=0);
-2. feed arrivals one event at a time; each arrival asks `GlobalScheduler.route` (which calls the
-   pure `routing.place` / `place_colocated`) for a placement, and the request goes where it
+2. feed arrivals one event at a time; each arrival asks `RequestLedger.admit` (which calls the
+   pure `routing.place` / `place_colocated`) for an admission, and the request goes where it
    says: a colocated or local prefill runs whole on one engine, a remote one runs its prefill
    leg on a prefill engine, streams its first token, and its decode leg pulls the KV and
    decodes on the decode engine. A `Rejection` is a failed request, as the client sees a 429;
-3. keep the scheduler's books exactly as `RayBackend._stream` does (`prefill_started`,
-   `first_token`, `first_token_seen` (the TTFT sample), `decode_started`, `token_gap`,
-   `pin`/`unpin`, `transfer_observed`, `decode_finished`, `request_finished` (the TPOT sample),
-   engine KV usage), in virtual time;
+3. drive the request ledger with the lifecycle events the Ray backend's request flow sends
+   (`admit`, `leg_started`, `leg_output`, `leg_finished`, `request_finished`; engine KV usage
+   as engine reports), in virtual time: the same books, the same routing inputs;
 4. every `autoscale_interval_s`, `Autoscaler.evaluate` (the pure `policy.decide` per pool) and
    apply its decisions like `RayBackend.scale_to`: a new engine is added not ready and becomes
    ready after the profile's `startup_s`; a drained one (least busy first) takes no new
@@ -29,8 +28,10 @@ from dataclasses import dataclass, field
 
 from pdserve.autoscaler.controller import Autoscaler
 from pdserve.autoscaler.policy import PoolBounds, ScalingDecision, ScalingPolicy
-from pdserve.scheduler.routing import Rejection, RoutingPolicy, SloTargets
-from pdserve.scheduler.scheduler import COLOCATED, DECODE, PREFILL, GlobalScheduler
+from pdserve.engine.types import Leg
+from pdserve.scheduler.ledger import RequestLedger
+from pdserve.scheduler.routing import Rejection, RoutingPolicy
+from pdserve.scheduler.types import COLOCATED, DECODE, PREFILL, SloTargets
 from pdserve.sim.baselines import TtftOnlyAutoscaler
 from pdserve.sim.engine import SimEngine, SimRequest
 from pdserve.sim.engine_profile import EngineProfile
@@ -146,8 +147,8 @@ class Simulation:
         self.config = config
         self.queue = EventQueue()
         perf = config.profile.perf
-        self.sched = GlobalScheduler(list(config.topology.pools), perf, config.slo,
-                                     config.routing, window_s=config.window_s, prefix_aware=False)
+        self.ledger = RequestLedger(list(config.topology.pools), perf, config.slo,
+                                    config.routing, window_s=config.window_s, prefix_aware=False)
         self.autoscaler = build_autoscaler(config)
         self._engines: dict[str, dict[str, SimEngine]] = {p: {} for p in config.topology.pools}
         self._all_engines: list[SimEngine] = []
@@ -174,17 +175,15 @@ class Simulation:
         engine.draining = False
         self._engines[pool][rid] = engine
         self._all_engines.append(engine)
-        self.sched.add_engine(pool, rid, p.block_size, p.num_kv_blocks, ready=ready)
+        self.ledger.engines.add(pool, rid, p.block_size, p.num_kv_blocks, ready=ready)
         if not ready:
             self.queue.after(p.startup_s, self._engine_ready, engine)
         return engine
 
     def _engine_ready(self, engine: SimEngine) -> None:
         if engine.replica_id in self._engines[engine.pool] and not engine.draining:
-            p = engine.profile
-            # As RayBackend._add_replica: register again, now ready.
-            self.sched.add_engine(engine.pool, engine.replica_id, p.block_size, p.num_kv_blocks,
-                                  ready=True)
+            # As the Ray actuator: the started engine is routed to from now on.
+            self.ledger.engines.mark_ready(engine.pool, engine.replica_id)
 
     def scale_to(self, pool: str, target: int) -> None:
         """Add or drain engines so the pool heads for `target` serving engines."""
@@ -192,25 +191,24 @@ class Simulation:
         for _ in range(target - len(serving)):
             self.add_engine(pool, ready=False)
         if target < len(serving):
-            started = [e for e in serving if self.sched.engine(pool, e.replica_id).ready]
-            started.sort(key=lambda e: (not self.sched.engine(pool, e.replica_id).idle,
+            started = [e for e in serving if self.ledger.engine(pool, e.replica_id).ready]
+            started.sort(key=lambda e: (not self.ledger.engine(pool, e.replica_id).idle,
                                         e.batch + len(e.waiting), e.replica_id))
             for engine in started[: len(serving) - target]:
                 engine.draining = True
-                self.sched.engine(pool, engine.replica_id).draining = True
+                self.ledger.engines.drain(pool, engine.replica_id)
                 self._maybe_remove(engine)
 
     def _maybe_remove(self, engine: SimEngine) -> None:
         if engine.draining and engine.removed is None and engine.idle:
-            state = self.sched.engine(engine.pool, engine.replica_id)
-            if state.idle:
+            if self.ledger.engine(engine.pool, engine.replica_id).idle:
                 engine.removed = self.queue.now
                 del self._engines[engine.pool][engine.replica_id]
-                self.sched.remove_engine(engine.pool, engine.replica_id)
+                self.ledger.remove_engine(engine.pool, engine.replica_id)
 
     def _autoscale(self, _: object = None) -> None:
         now = self.queue.now
-        for decision in self.autoscaler.evaluate(self.sched, now):
+        for decision in self.autoscaler.evaluate(self.ledger, now):
             if decision.delta:
                 self.decisions.append((now, decision))
                 self.scale_to(decision.pool, decision.target)
@@ -220,7 +218,7 @@ class Simulation:
     def _sample(self, _: object = None) -> None:
         now = self.queue.now
         for pool, engines in self._engines.items():
-            states = [self.sched.engine(pool, rid) for rid in engines]
+            states = [self.ledger.engine(pool, rid) for rid in engines]
             n = max(len(engines), 1)
             self.samples.append(PoolSample(
                 now, pool, sum(s.ready and not s.draining for s in states),
@@ -241,53 +239,50 @@ class Simulation:
         req = SimRequest(i, now, int(wl.prompts[i]), int(wl.outputs[i]))
         if self.config.keep_requests:
             self.requests.append(req)
-        placement = self.sched.route(range(req.prompt), req.output)
-        if isinstance(placement, Rejection):
-            req.error = f"rejected: {placement.reason}"
-            self.rejected[placement.reason] = self.rejected.get(placement.reason, 0) + 1
+        admission = self.ledger.admit(str(i), range(req.prompt), req.output, now)
+        if isinstance(admission, Rejection):
+            req.error = f"rejected: {admission.reason}"
+            self.rejected[admission.reason] = self.rejected.get(admission.reason, 0) + 1
             self._done(req)
             return
-        sched = self.sched
+        req.admission = admission
+        placement = admission.placement
+        req.ttft_pool, req.decode_pool = admission.ttft_pool, admission.decode_pool
+        req.decode_engine = self._engines[admission.decode_pool][placement.decode]
         if placement.prefill is None:
-            pool = COLOCATED if COLOCATED in self._engines else DECODE
-            engine = self._engines[pool][placement.decode]
-            req.ttft_pool = req.decode_pool = pool
-            req.decode_engine = engine
+            engine = req.decode_engine
         else:
-            engine = self._engines[PREFILL][placement.prefill]
+            engine = req.prefill_engine = self._engines[PREFILL][placement.prefill]
             req.leg = "prefill"
-            req.ttft_pool, req.decode_pool = PREFILL, DECODE
-            req.prefill_engine = engine
-            req.decode_engine = self._engines[DECODE][placement.decode]
-            if req.output > 1:
-                sched.pin(PREFILL, engine.replica_id)
-        req.ticket = sched.prefill_started(engine.pool, engine.replica_id, req.prompt, now)
+        self.ledger.leg_started(admission, admission.first_leg, now)
         engine.submit_prefill(req)
 
     def _first_token(self, req: SimRequest, engine: SimEngine) -> None:
         now = self.queue.now
+        # The client sees the first token after the way out (the response path).
         visible = now + self._response(req.prompt)
-        self.sched.first_token(req.ticket, visible)
-        # As RayBackend._generate: the TTFT sample is taken when the first token is seen.
-        self.sched.first_token_seen(req.ttft_pool, visible, visible - req.arrival)
-        if req.leg == "full":
-            if req.output > 1:
-                self.sched.decode_started(engine.pool, engine.replica_id)
-            else:
+        ledger, admission = self.ledger, req.admission
+        leg = Leg(req.leg)
+        ends = req.output == 1
+        ledger.leg_output(admission, leg, visible, 1, finished=ends)
+        if leg is Leg.FULL:
+            if ends:
+                ledger.leg_finished(admission, leg, visible, "length")
                 self._done(req)
             return
         # Prefill leg done: the decode leg starts (KV pull, then decode).
-        if req.output == 1:  # nothing to pull: the prefill engine frees the prompt's blocks
+        if ends:  # nothing to pull: the prefill engine frees the prompt's blocks
             engine.release_prefill(req)
+            ledger.leg_finished(admission, leg, visible, "length")
             self._done(req)
             return
+        ledger.leg_finished(admission, leg, visible, "length")
         req.leg = "decode"
-        decode = req.decode_engine
-        self.sched.decode_started(DECODE, decode.replica_id)
-        decode.submit_decode(req)
+        ledger.leg_started(admission, Leg.DECODE, now)
+        req.decode_engine.submit_decode(req)
 
     def _finished(self, req: SimRequest, engine: SimEngine) -> None:
-        self.sched.decode_finished(engine.pool, engine.replica_id)
+        self.ledger.leg_finished(req.admission, Leg(req.leg), self.queue.now, "length")
         self._done(req)
 
     def _done(self, req: SimRequest) -> None:
@@ -295,8 +290,7 @@ class Simulation:
         self._last_done = self.queue.now
         if not req.error:
             visible = req.finish + self._response(req.prompt)
-            tpot = (req.finish - req.first_token) / (req.output - 1) if req.output > 1 else None
-            self.sched.request_finished(req.ttft_pool, req.decode_pool, visible, None, tpot)
+            self.ledger.request_finished(req.admission, visible, req.output, "length")
             for engine in (req.prefill_engine, req.decode_engine):
                 if engine is not None and engine.draining:
                     self._maybe_remove(engine)
@@ -304,16 +298,15 @@ class Simulation:
             self.on_request_done(req)
 
     def _kv_changed(self, engine: SimEngine) -> None:
-        self.sched.update_engine(engine.pool, engine.replica_id, kv_usage=engine.kv_usage)
+        self.ledger.engines.report(engine.pool, engine.replica_id, kv_usage=engine.kv_usage)
 
     def _pulled(self, req: SimRequest, engine: SimEngine) -> None:
-        # RayBackend releases the pin at the decode leg's first delta, i.e. once pulled.
-        self.sched.unpin(PREFILL, req.prefill_engine.replica_id)
-        self.sched.transfer_observed(req.prompt, self.queue.now - req.decode_start)
+        # The decode leg's first output: the KV is here (the pin on the prefill engine goes).
+        self.ledger.leg_output(req.admission, Leg.DECODE, self.queue.now, 0)
         self._maybe_remove(req.prefill_engine)
 
     def _stepped(self, engine: SimEngine, seconds: float) -> None:
-        self.sched.token_gap(engine.pool, engine.replica_id, seconds, 1)
+        self.ledger.decode_gap(engine.pool, engine.replica_id, seconds, 1)
 
     # --- run --------------------------------------------------------------------------------
 

@@ -1,66 +1,97 @@
 """An `EngineBackend` over engine objects in this process: the HTTP layer without Ray.
 
-Routing uses the same pure policy as `RayBackend`, so tests of the API exercise real routing.
+Requests go through the production request ledger and request flow, exactly as with
+`RayBackend`; only the way to an engine differs (a method call instead of an actor). One pool of
+engines that do both phases (colocated).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 
 from pdserve.engine.protocol import Engine
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
 from pdserve.errors import EngineUnavailableError
-from pdserve.scheduler.routing import ReplicaLoad, pick_least_loaded
+from pdserve.scheduler.ledger import LedgerEvent, RequestLedger
+from pdserve.scheduler.perf_model import PerfModel
+from pdserve.scheduler.types import COLOCATED
+from pdserve.serving.flow import AdmittedStream, RequestFlow
+from pdserve.serving.metrics import ServingMetrics
+
+
+class InProcessChannel:
+    """One engine object as the request flow reaches it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        # Closing the engine's stream early aborts the request in the engine.
+        async with aclosing(self._engine.generate(request)) as deltas:
+            async for delta in deltas:
+                yield delta
 
 
 class InProcessBackend:
-    def __init__(self, engines: Sequence[Engine], pool: str = "colocated") -> None:
+    def __init__(self, engines: Sequence[Engine], metrics: ServingMetrics | None = None,
+                 observer: Callable[[LedgerEvent], None] | None = None) -> None:
         self._engines = list(engines)
-        self._pool = pool
-        self._info: EngineInfo | None = None
+        self.metrics = metrics or ServingMetrics()
+        self._observer = observer
         self._infos: list[EngineInfo] = []
-        self._in_flight: dict[int, int] = {i: 0 for i in range(len(self._engines))}
+        self._by_id: dict[str, Engine] = {}
+        self.ledger: RequestLedger | None = None
+        self._flow: RequestFlow | None = None
 
     async def start(self) -> None:
         self._infos = [await e.start() for e in self._engines]
-        self._info = self._infos[0]
+        self._by_id = {info.replica_id: e for info, e in zip(self._infos, self._engines, strict=True)}
+        # No performance model to seed from: a neutral one, refitted from what requests show.
+        self.ledger = RequestLedger([COLOCATED], PerfModel(prefill_tokens_per_s=1e4,
+                                                           decode_step_s=0.01),
+                                    prefix_block_size=max(self._infos[0].block_size, 1),
+                                    observer=self._observer)
+        for info in self._infos:
+            self.ledger.engines.add(COLOCATED, info.replica_id, info.block_size,
+                                    info.num_kv_blocks or 1 << 20)
+        self._flow = RequestFlow(self.ledger, self._channel, "recompute", self.metrics, COLOCATED)
 
     def engine_infos(self) -> list[EngineInfo]:
         return list(self._infos)
 
     @property
     def info(self) -> EngineInfo:
-        assert self._info is not None, "call start() first"
-        return self._info
+        assert self._infos, "call start() first"
+        return self._infos[0]
 
     @property
     def pools(self) -> tuple[str, ...]:
-        return (self._pool,)
+        return (COLOCATED,)
 
     @property
     def serving_pool(self) -> str:
-        return self._pool
+        return COLOCATED
 
     def engine_stats(self) -> list[EngineStats]:
         return [e.stats() for e in self._engines]
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        loads = [ReplicaLoad(str(i), n) for i, n in self._in_flight.items()]
-        chosen = pick_least_loaded(loads)
-        if chosen is None:
-            raise EngineUnavailableError("no engines")
-        index = int(chosen)
-        self._in_flight[index] += 1
-        stream = self._engines[index].generate(request)
-        try:
-            async for delta in stream:
-                yield delta
-        finally:
-            self._in_flight[index] -= 1
-            await stream.aclose()  # closing early aborts the request in the engine
+    def generate(self, request: GenerateRequest) -> AdmittedStream:
+        assert self._flow is not None, "call start() first"
+        return self._flow.stream(request, self._flow.admit(request))
+
+    def _channel(self, pool: str, replica_id: str) -> InProcessChannel:
+        engine = self._by_id.get(replica_id)
+        if engine is None:
+            raise EngineUnavailableError(f"engine {replica_id} is gone")
+        return InProcessChannel(engine)
 
     async def refresh_stats(self) -> list[EngineStats]:
-        return self.engine_stats()
+        stats = self.engine_stats()
+        if self.ledger is not None:
+            for s in stats:
+                self.ledger.engines.report(COLOCATED, s.replica_id, kv_usage=s.kv_cache_usage)
+        return stats
 
     def healthy(self) -> bool:
         return True

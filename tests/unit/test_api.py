@@ -172,7 +172,7 @@ async def test_closing_a_stream_aborts_the_engine_request():
     backend = make_backend(decode_step_s=0.01)
     await backend.start()
     app = build_app(backend, tiny_tokenizer(), MODEL)
-    from pdserve.api.metrics import ServingMetrics
+    from pdserve.serving.metrics import ServingMetrics
     from pdserve.api.protocol import CompletionRequest
     from pdserve.api.serving import OpenAIServing
 

@@ -1,4 +1,4 @@
-"""The pure per-pool scaling policy, and the Autoscaler over a GlobalScheduler fed scripted
+"""The pure per-pool scaling policy, and the Autoscaler over a RequestLedger fed scripted
 request timings (no Ray, no clocks)."""
 
 import pytest
@@ -8,8 +8,9 @@ from pdserve.autoscaler.policy import (
     PoolBounds, PoolSignals, ScalingPolicy, ScalingState, decide,
 )
 from pdserve.scheduler.perf_model import PerfModel
-from pdserve.scheduler.routing import SloTargets
-from pdserve.scheduler.scheduler import GlobalScheduler
+from pdserve.scheduler.types import SloTargets
+from tests.unit.scripted_ledger import Script
+from pdserve.scheduler.ledger import RequestLedger
 
 pytestmark = pytest.mark.unit
 
@@ -114,11 +115,11 @@ def test_too_few_samples_do_not_count_as_a_latency_breach():
 MODEL = PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01, decode_step_per_seq_s=0.001)
 
 
-def scheduler():
-    sched = GlobalScheduler(["prefill", "decode"], MODEL, SloTargets(TTFT, TPOT), window_s=30,
-                            prefix_aware=False)
+def scheduler() -> RequestLedger:
+    sched = RequestLedger(["prefill", "decode"], MODEL, SloTargets(TTFT, TPOT), window_s=30,
+                          prefix_aware=False)
     for pool in ("prefill", "decode"):
-        sched.add_engine(pool, f"{pool}-0", 16, 10_000)
+        sched.engines.add(pool, f"{pool}-0", 16, 10_000)
     return sched
 
 
@@ -126,7 +127,7 @@ def test_a_ttft_breach_grows_prefill_only():
     sched = scheduler()
     scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY)
     for t in range(20):  # slow first tokens, fast decode
-        sched.request_finished("prefill", "decode", now=float(t), ttft_s=2.0, tpot_s=0.02)
+        Script(sched).finished(float(t), 2.0, 0.02)
     first = {d.pool: d for d in scaler.evaluate(sched, now=20.0)}
     second = {d.pool: d for d in scaler.evaluate(sched, now=25.0)}
     assert first["prefill"].reason == "pending"
@@ -138,7 +139,7 @@ def test_a_tpot_breach_grows_decode_only():
     sched = scheduler()
     scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY)
     for t in range(20):
-        sched.request_finished("prefill", "decode", now=float(t), ttft_s=0.1, tpot_s=0.2)
+        Script(sched).finished(float(t), 0.1, 0.2)
     scaler.evaluate(sched, now=20.0)
     decisions = {d.pool: d for d in scaler.evaluate(sched, now=25.0)}
     assert decisions["decode"].reason == "tpot_breach" and decisions["decode"].direction == "up"
@@ -148,8 +149,7 @@ def test_a_tpot_breach_grows_decode_only():
 def test_prefill_load_from_arrivals_grows_prefill_before_latency_breaks():
     sched = scheduler()
     for t in range(30):  # 3000 prompt tokens/s against one engine's 1000 tok/s
-        ticket = sched.prefill_started("prefill", "prefill-0", 3000, now=float(t))
-        sched.first_token(ticket, now=t + 0.2, observe=False)
+        Script(sched).prefill("prefill-0", 3000, float(t), t + 0.2)
     signals = sched.signals("prefill", now=30.0)
     assert signals.prefill_utilization == pytest.approx(3.0)
     scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY)
@@ -162,10 +162,10 @@ def test_prefill_load_from_arrivals_grows_prefill_before_latency_breaks():
 def test_requests_still_waiting_past_the_target_count_as_a_breach():
     sched = scheduler()
     for t in range(10):  # fast so far...
-        sched.request_finished("prefill", "decode", now=float(t), ttft_s=0.1, tpot_s=0.02)
+        Script(sched).finished(float(t), 0.1, 0.02)
     # ...but 5 prefills dispatched at t=9 have no first token at t=11 (2 s > 0.5 s target).
     for _ in range(5):
-        sched.prefill_started("prefill", "prefill-0", 100, now=9.0)
+        Script(sched).prefill("prefill-0", 100, 9.0)
     signals = sched.signals("prefill", now=11.0)
     assert signals.ttft_s > TTFT and signals.samples == 15
 
@@ -176,7 +176,7 @@ def test_requests_still_waiting_past_the_target_count_as_a_breach():
 def breach_both(sched, t0: float) -> None:
     """Slow first tokens and slow decode at once: both pools want an engine."""
     for t in range(20):
-        sched.request_finished("prefill", "decode", now=t0 + t, ttft_s=2.0, tpot_s=0.2)
+        Script(sched).finished(t0 + t, 2.0, 0.2)
 
 
 def test_a_gpu_budget_grants_what_fits_and_the_other_pool_waits_without_a_cooldown():
@@ -191,7 +191,7 @@ def test_a_gpu_budget_grants_what_fits_and_the_other_pool_waits_without_a_cooldo
     waiting = next(d for d in decisions.values() if d.direction == "none")
     assert waiting.reason == "at_budget" and "3 GPUs" in waiting.detail
     # The grown pool's engine now holds the third GPU: the other pool still waits.
-    sched.add_engine(grown.pool, f"{grown.pool}-1", 16, 10_000)
+    sched.engines.add(grown.pool, f"{grown.pool}-1", 16, 10_000)
     again = {d.pool: d for d in scaler.evaluate(sched, now=26.0)}
     assert again[waiting.pool].reason == "at_budget" and again[grown.pool].direction == "none"
     # Once a GPU frees (the grown pool's engine goes), the waiting pool scales on the very next
@@ -204,10 +204,9 @@ def test_a_gpu_budget_grants_what_fits_and_the_other_pool_waits_without_a_cooldo
 def test_a_gpu_budget_counts_each_engines_gpus_and_serves_latency_breaches_first():
     sched = scheduler()
     for t in range(30):  # prompt load (a forecast, not a breach) on prefill...
-        ticket = sched.prefill_started("prefill", "prefill-0", 3000, now=float(t))
-        sched.first_token(ticket, now=t + 0.2, observe=False)
+        Script(sched).prefill("prefill-0", 3000, float(t), t + 0.2)
     for t in range(20):  # ...and a measured TPOT breach on decode
-        sched.request_finished("prefill", "decode", now=float(t), ttft_s=0.1, tpot_s=0.2)
+        Script(sched).finished(float(t), 0.1, 0.2)
     # decode engines are TP2: 1 + 2 GPUs held, budget 5: the decode breach takes the 2 left.
     scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY, max_gpus=5,
                         gpus_per_engine={"decode": 2})
@@ -225,16 +224,15 @@ def test_without_a_budget_both_pools_scale():
     assert {d.direction for d in scaler.evaluate(sched, now=25.0)} == {"up"}
 
 
-def three_prefill_one_decode(prompt_tokens_per_s: float, ttft_s: float, prefill_s: float = 0.1) -> GlobalScheduler:
+def three_prefill_one_decode(prompt_tokens_per_s: float, ttft_s: float, prefill_s: float = 0.1) -> RequestLedger:
     """3P1D on a 4-GPU budget: prompt load on prefill (each prompt in prefill for `prefill_s`,
     a prompt per engine every 3 s), a measured TPOT breach on decode."""
     sched = scheduler()
     for i in (1, 2):
-        sched.add_engine("prefill", f"prefill-{i}", 16, 10_000)
+        sched.engines.add("prefill", f"prefill-{i}", 16, 10_000)
     for t in range(30):
-        ticket = sched.prefill_started("prefill", f"prefill-{t % 3}", int(prompt_tokens_per_s), now=float(t))
-        sched.first_token(ticket, now=t + prefill_s, observe=False)
-        sched.request_finished("prefill", "decode", now=float(t), ttft_s=ttft_s, tpot_s=0.2)
+        Script(sched).prefill(f"prefill-{t % 3}", int(prompt_tokens_per_s), float(t), t + prefill_s)
+        Script(sched).finished(float(t), ttft_s, 0.2)
     return sched
 
 

@@ -16,7 +16,7 @@ import ray.autoscaler
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from pdserve.api.metrics import ServingMetrics
+from pdserve.serving.metrics import ServingMetrics
 from pdserve.config import load_config
 from pdserve.config.schema import ServingMode
 

@@ -220,7 +220,7 @@ async def test_an_abort_that_overtakes_its_submit_keeps_the_request_from_running
 async def test_the_actor_reports_each_requests_engine_side_first_output_once(served):
     from prometheus_client import generate_latest
 
-    from pdserve.api.metrics import ServingMetrics
+    from pdserve.serving.metrics import ServingMetrics
 
     actor, _, outputs = served
     before = await actor.stats()  # drains whatever came before
@@ -236,7 +236,7 @@ async def test_the_actor_reports_each_requests_engine_side_first_output_once(ser
 
 
 async def test_with_step_tracing_the_actor_records_each_requests_submit_first_and_last_output(tmp_path):
-    from pdserve.engine.step_trace import read_request_spans, read_requests
+    from pdserve.sim.calibration.trace_reader import read_request_spans, read_requests
 
     config = PdserveConfig.model_validate({"engine": {
         "kind": "mock", "mock": {"decode_step_s": 0.01}, "step_trace_dir": str(tmp_path)}})

@@ -5,8 +5,8 @@ import pytest
 
 from pdserve.scheduler.perf_model import PerfModel
 from pdserve.scheduler.routing import (
-    EngineLoad, Placement, Rejection, ReplicaLoad, RouteRequest, RoutingPolicy, SloTargets,
-    local_prefill_limit, pick_least_loaded, place, place_colocated, predicted_ttft,
+    EngineLoad, Placement, Rejection, RouteRequest, RoutingPolicy, SloTargets,
+    local_prefill_limit, place, place_colocated, predicted_ttft,
 )
 
 pytestmark = pytest.mark.unit
@@ -143,9 +143,3 @@ def test_colocated_placement_balances_ttft_then_batch():
     assert place_colocated(RouteRequest(10, 10), tied, flat).decode == "c1"
 
 
-def test_least_loaded_fallback():
-    loads = [ReplicaLoad("a", in_flight=3), ReplicaLoad("b", in_flight=1, num_waiting=1),
-             ReplicaLoad("c", in_flight=4)]
-    assert pick_least_loaded(loads) == "b"
-    assert pick_least_loaded([ReplicaLoad("a", 0, healthy=False)]) is None
-    assert pick_least_loaded([]) is None

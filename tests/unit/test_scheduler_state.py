@@ -1,5 +1,5 @@
-"""Performance model (calibration seed, online fit), SLO tracker, prefix index, and the
-GlobalScheduler's request accounting."""
+"""Performance model (calibration seed, online fit), SLO tracker, prefix index, and the request
+ledger's books."""
 
 import json
 from pathlib import Path
@@ -8,8 +8,12 @@ import pytest
 
 from pdserve.scheduler.perf_model import LineFit, OnlineFit, PerfModel, fit_line, fit_line_robust
 from pdserve.scheduler.prefix import PrefixIndex, block_hashes
-from pdserve.scheduler.routing import Placement, SloTargets
-from pdserve.scheduler.scheduler import BusyLog, GlobalScheduler
+from pdserve.engine.types import Leg
+from pdserve.scheduler.ledger import RequestLedger
+from pdserve.scheduler.registry import BusyLog
+from pdserve.scheduler.routing import Placement
+from pdserve.scheduler.types import SloTargets
+from tests.unit.scripted_ledger import Script
 from pdserve.scheduler.slo import SloTracker, percentile_of
 
 pytestmark = pytest.mark.unit
@@ -90,150 +94,181 @@ def test_prefix_index_matches_leading_blocks_and_evicts_lru():
     assert index.cached_tokens("e0", hashes) == 0
 
 
-def test_scheduler_accounting_drives_routing_and_drains():
-    sched = GlobalScheduler(["prefill", "decode"],
-                            PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01),
-                            SloTargets(1.0, 0.05), prefix_block_size=16)
+def test_ledger_books_drive_routing_and_drains():
+    ledger = RequestLedger(["prefill", "decode"],
+                           PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01),
+                           SloTargets(1.0, 0.05), prefix_block_size=16)
     for pool in ("prefill", "decode"):
         for i in range(2):
-            sched.add_engine(pool, f"{pool}-{i}", 16, 1000)
+            ledger.engines.add(pool, f"{pool}-{i}", 16, 1000)
     prompt = list(range(500))
-    first = sched.route(prompt, 20)
-    assert isinstance(first, Placement) and first.prefill == "prefill-0"
-    ticket = sched.prefill_started("prefill", first.prefill, 500, now=0.0)
-    sched.pin("prefill", first.prefill)
+    first = ledger.admit("a", prompt, 20, now=0.0)
+    assert first.placement.prefill == "prefill-0" and len(first.hashes) == 31
+    ledger.leg_started(first, Leg.PREFILL, now=0.0)
+    state = ledger.engine("prefill", "prefill-0")
+    assert (state.queued_prefill_tokens, state.pins, state.reserved, state.in_flight) == (500, 1, 1, 1)
     # prefill-0 now has 500 tokens queued: the next (different) prompt goes to prefill-1.
-    assert sched.route(list(range(1000, 1500)), 20).prefill == "prefill-1"
-    sched.first_token(ticket, now=0.5)
-    sched.remember_prefix(first.prefill, prompt)
-    # The same prompt again: prefill-0 has it cached (496 of 500 tokens in full blocks).
-    assert sched.cached_tokens("prefill-0", prompt) == 496
-    assert sched.route(prompt, 20).prefill == "prefill-0"
-    state = sched.engine("prefill", "prefill-0")
-    assert state.queued_prefill_tokens == 0 and not state.idle  # still pinned
-    sched.unpin("prefill", "prefill-0")
-    assert state.idle
+    assert ledger.place(500, 20).prefill == "prefill-1"
+    ledger.leg_output(first, Leg.PREFILL, now=0.5, tokens=1, finished=True)
+    ledger.leg_finished(first, Leg.PREFILL, now=0.5, finish_reason="length")
+    # The same prompt again: prefill-0 has it cached (496 of 500 tokens in full blocks), and
+    # its uncached remainder is all it would queue.
+    again = ledger.admit("b", prompt, 20, now=0.6)
+    assert again.placement.prefill == "prefill-0"
+    ledger.leg_started(again, Leg.PREFILL, now=0.6)
+    assert state.queued_prefill_tokens == 4
+    ledger.request_finished(again, 0.7, 0, "abort")
+    assert state.queued_prefill_tokens == 0 and not state.idle  # "a" is still pinned and placed
+    decode = ledger.engine("decode", first.placement.decode)
+    ledger.leg_started(first, Leg.DECODE, now=0.6)
+    assert decode.num_decoding == 1
+    ledger.leg_output(first, Leg.DECODE, now=0.65, tokens=1)  # pulled: the pin goes
+    assert state.pins == 0 and not state.idle  # still reserved until the request ends
+    ledger.leg_finished(first, Leg.DECODE, now=1.0, finish_reason="length")
+    timing = ledger.request_finished(first, now=1.0, output_tokens=20, finish_reason="length")
+    assert state.idle and decode.idle
+    assert timing.ttft_s == pytest.approx(0.5) and timing.tpot_s == pytest.approx(0.5 / 19)
     # A draining engine gets nothing new.
-    state.draining = True
-    assert sched.route(prompt, 20).prefill == "prefill-1"
+    ledger.engines.drain("prefill", "prefill-0")
+    assert ledger.place(500, 20).prefill == "prefill-1"
+
+
+def test_one_timer_for_the_slo_tracker_and_the_request_timing():
+    ledger = RequestLedger(["colocated"], PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01),
+                           SloTargets(1.0, 0.05), prefix_aware=False)
+    ledger.engines.add("colocated", "c0", 16, 1000)
+    adm = ledger.admit("r", range(100), 5, now=10.0)
+    ledger.leg_started(adm, Leg.FULL, 10.0)
+    ledger.leg_output(adm, Leg.FULL, 10.3, 1)
+    for k in range(1, 5):
+        ledger.leg_output(adm, Leg.FULL, 10.3 + 0.1 * k, 1, finished=k == 4)
+    ledger.leg_finished(adm, Leg.FULL, 10.7, "length")
+    timing = ledger.request_finished(adm, 10.7, 5, "length")
+    summary = ledger.tracker.summary("colocated", 10.7, 50)
+    assert summary.ttft_p_s == pytest.approx(timing.ttft_s) == pytest.approx(0.3)
+    assert summary.tpot_p_s == pytest.approx(timing.tpot_s) == pytest.approx(0.1)
+    assert timing.e2e_s == pytest.approx(0.7)
 
 
 def test_a_model_taught_by_a_burst_that_idle_engines_are_slow_is_corrected_after_it():
     # 4 x H100, 2026-11-27: in a burst the fitted model learned that a lone 2048-token prefill
     # takes seconds; admission then refused every request, so nothing new was observed and the
     # service refused everything, on idle engines, until it was stopped.
-    sched = GlobalScheduler(["prefill", "decode"],
-                            PerfModel(prefill_tokens_per_s=40_000, decode_step_s=0.01),
-                            SloTargets(0.5, 0.02), prefix_aware=False)
-    sched.add_engine("prefill", "p0", 16, 100_000)
-    sched.add_engine("decode", "d0", 16, 100_000)
+    sched = RequestLedger(["prefill", "decode"],
+                          PerfModel(prefill_tokens_per_s=40_000, decode_step_s=0.01),
+                          SloTargets(0.5, 0.02), prefix_aware=False)
+    sched.engines.add("prefill", "p0", 16, 100_000)
+    sched.engines.add("decode", "decode-0", 16, 100_000)
+    script = Script(sched)
     for i in range(100):  # the burst: every leg took 3 s to its first token, every pull 3 s
-        ticket = sched.prefill_started("prefill", "p0", 2048, now=float(i))
-        sched.first_token(ticket, now=i + 3.0)
-        sched.transfer_observed(2048, 3.0)
+        script.prefill("p0", 2048, float(i), i + 3.0, observe=True)
+        script.pull(2048, float(i), 3.0, prefill="p0")
     assert sched.model("prefill").prefill_s(2048) > 4 * 0.5  # beyond what admission allows
     # Nothing queued: admitted whatever the model says, and what it observes corrects it.
     for i in range(200):
-        placement = sched.route(list(range(i, i + 2048)), 256)
+        placement = sched.place(2048, 256)
         assert isinstance(placement, Placement) and placement.prefill == "p0"
-        ticket = sched.prefill_started("prefill", "p0", 2048, now=1000.0 + i)
-        sched.first_token(ticket, now=1000.0 + i + 0.06)
+        script.prefill("p0", 2048, 1000.0 + i, 1000.0 + i + 0.06, observe=True)
     assert sched.model("prefill").prefill_s(2048) < 0.2
     # The 3 s pulls delay token 2, not the first: they are not in the predicted TTFT.
-    assert sched.route(list(range(2048)), 256).predicted_ttft_s < 0.2
+    assert sched.place(2048, 256).predicted_ttft_s < 0.2
 
 
 def test_simultaneous_placements_spread_over_decode_engines():
-    sched = GlobalScheduler(["prefill", "decode"],
-                            PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01),
-                            prefix_aware=False)
-    sched.add_engine("prefill", "prefill-0", 16, 1000)
+    sched = RequestLedger(["prefill", "decode"],
+                          PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01),
+                          prefix_aware=False)
+    sched.engines.add("prefill", "prefill-0", 16, 1000)
     for i in range(2):
-        sched.add_engine("decode", f"decode-{i}", 16, 1000)
+        sched.engines.add("decode", f"decode-{i}", 16, 1000)
     # 16 requests placed before any reaches its decode engine (all still prefilling): the
     # placements themselves count, so a flat decode cost still splits them evenly.
-    chosen = []
-    for n in range(16):
-        placement = sched.route(list(range(n, n + 20)), 8)
-        sched.reserve(placement)
-        chosen.append(placement.decode)
+    chosen = [sched.admit(f"r{n}", list(range(n, n + 20)), 8, now=0.0).placement.decode
+              for n in range(16)]
     assert chosen.count("decode-0") == chosen.count("decode-1") == 8
 
 
-def _without_caches(sched: GlobalScheduler) -> GlobalScheduler:
-    """Forget every cached engine load and fitted model, as if the scheduler had no caches."""
+def _without_caches(sched: RequestLedger) -> RequestLedger:
+    """Forget every cached engine load and fitted model, as if the ledger had no caches."""
     for pool in sched._pools.values():
         pool._model, pool._model_counts = None, (-1, -1, -1)
-        for state in pool.engines.values():
-            state._load_key = ()
+    for state in sched.engines:
+        state._load_key = ()
     return sched
 
 
 @pytest.mark.parametrize("pools", [("prefill", "decode"), ("colocated",)])
 def test_cached_loads_and_models_route_exactly_as_uncached(pools):
-    # Two schedulers take the same random book changes (through the scheduler and by direct
-    # writes to engine state, as the backend and the simulators make them); one forgets its
-    # caches before every routing call. Every placement must be the same.
+    # Two ledgers take the same random lifecycle events (and the direct resyncs the fluid
+    # simulator makes); one forgets its caches before every routing call. Every placement
+    # must be the same.
     import random
 
     rng = random.Random(7)
     seed = PerfModel(prefill_tokens_per_s=5000, decode_step_s=0.01, decode_step_per_seq_s=0.001)
-    cached, uncached = (GlobalScheduler(list(pools), seed, SloTargets(0.5, 0.05),
-                                        prefix_block_size=16) for _ in range(2))
+    cached, uncached = (RequestLedger(list(pools), seed, SloTargets(0.5, 0.05),
+                                      prefix_block_size=16) for _ in range(2))
     ids = {pool: [f"{pool}-{i}" for i in range(4)] for pool in pools}
     for sched in (cached, uncached):
         for pool in pools:
             for rid in ids[pool]:
-                sched.add_engine(pool, rid, 16, 400, ready=rid[-1] != "3")
-    tickets = {id(cached): [], id(uncached): []}
+                sched.engines.add(pool, rid, 16, 400, ready=rid[-1] != "3")
+    live = {id(cached): [], id(uncached): []}  # (admission, its current leg) in order
 
-    def change(sched: GlobalScheduler, op: int, pool: str, rid: str, r: list[float]) -> None:
-        state = sched.engine(pool, rid) if rid in sched._pools[pool].engines else None
-        mine = tickets[id(sched)]
-        if op == 0:
-            mine.append(sched.prefill_started(pool, rid, int(r[0] * 3000) + 1, now=r[1]))
-        elif op == 1 and mine:
-            sched.first_token(mine.pop(int(r[0] * len(mine))), now=r[1] + 1.0)
-        elif op == 2:
-            sched.decode_started(pool, rid)
-            sched.token_gap(pool, rid, 0.01 + r[0] * 0.02, 1)
-        elif op == 3:
-            sched.decode_finished(pool, rid)
-        elif op == 4:
-            sched.update_engine(pool, rid, kv_usage=r[0])
-        elif op == 5:
-            (sched.pin if r[0] < 0.5 else sched.unpin)(pool, rid)
-        elif op == 6:
-            sched.transfer_observed(int(r[0] * 4000) + 1, 0.001 + r[1] * 0.01)
-        elif op == 7 and state is not None:  # direct writes, fractional as the fluid mode's
-            state.queued_prefill_tokens += r[0] * 100
-            state.num_decoding += r[1]
-        elif op == 8 and state is not None:
-            state.draining = r[0] < 0.3
-            state.healthy = r[1] > 0.1
-        elif op == 9:
-            sched.mark_ready(pool, rid)
-        elif op == 10:
+    def change(sched: RequestLedger, op: int, pool: str, rid: str, r: list[float], t: float) -> None:
+        mine = live[id(sched)]
+        if op in (0, 1, 2, 3) and mine:
+            adm, leg = mine[int(r[0] * len(mine))]
+            if op == 0:
+                sched.leg_output(adm, leg, t, 1)
+            elif op == 1:
+                sched.leg_output(adm, leg, t, 1)
+                sched.leg_finished(adm, leg, t, "length")
+                if leg is Leg.PREFILL and adm.max_tokens > 1:
+                    sched.leg_started(adm, Leg.DECODE, t)
+                    mine[mine.index((adm, leg))] = (adm, Leg.DECODE)
+            elif op == 2:
+                sched.decode_gap(*adm.engine_of(leg), 0.01 + r[1] * 0.02, 1)
+            else:
+                mine.remove((adm, leg))
+                sched.request_finished(adm, t, 2, "length")
+        elif op == 4 and sched.engines.get(pool, rid) is not None:
+            sched.engines.report(pool, rid, kv_usage=r[0])
+        elif op == 7 and sched.engines.get(pool, rid) is not None:  # fractional, as fluid's
+            record = sched.engine(pool, rid)
+            sched.resync(pool, rid, queued_prefill_tokens=record.queued_prefill_tokens + r[0] * 100,
+                         num_decoding=record.num_decoding + r[1])
+        elif op == 8 and sched.engines.get(pool, rid) is not None:
+            sched.engines.report(pool, rid, healthy=r[1] > 0.1)
+            if r[0] < 0.3:
+                sched.engines.drain(pool, rid)
+        elif op == 9 and sched.engines.get(pool, rid) is not None:
+            sched.engines.mark_ready(pool, rid)
+        elif op == 10:  # an engine goes and a new one comes under the same name
+            for adm, leg in [x for x in mine if rid in (x[0].placement.decode, x[0].placement.prefill)]:
+                mine.remove((adm, leg))
+                sched.request_finished(adm, t, 0, "abort")
             sched.remove_engine(pool, rid)
-            sched.add_engine(pool, rid, 16, 300 + int(r[0] * 200))
+            sched.engines.add(pool, rid, 16, 300 + int(r[0] * 200))
 
     placements = []
-    for _ in range(3000):
+    for step in range(3000):
         op, pool = rng.randrange(12), rng.choice(pools)
         rid, r = rng.choice(ids[pool]), [rng.random(), rng.random()]
         if op == 11:
             prompt = list(range(rng.randrange(1, 3000)))
             max_tokens = rng.randrange(1, 600)
-            got = cached.route(prompt, max_tokens)
-            assert got == _without_caches(uncached).route(prompt, max_tokens)
+            got = cached.place(len(prompt), max_tokens)
+            assert got == _without_caches(uncached).place(len(prompt), max_tokens)
             placements.append(got)
-            for sched in (cached, uncached):
-                if isinstance(got, Placement):
-                    sched.reserve(got)
-                    sched.remember_prefix(got.prefill or got.decode, prompt)
+            if isinstance(got, Placement):
+                for sched in (cached, uncached):
+                    adm = sched.admit(f"r{step}", prompt, max_tokens, float(step), placement=got)
+                    sched.leg_started(adm, adm.first_leg, float(step))
+                    live[id(sched)].append((adm, adm.first_leg))
             continue
         for sched in (cached, uncached):
-            change(sched, op, pool, rid, r)
+            change(sched, op, pool, rid, r, float(step))
     # The sequence exercised the choice: placements landed on most engines.
     assert len(placements) > 200
     assert len({p.decode for p in placements if isinstance(p, Placement)}) >= 3
@@ -266,14 +301,15 @@ def test_busy_log_measures_the_share_of_the_window_with_a_prompt_in_prefill():
 
 
 def test_prefill_load_is_at_least_the_measured_busy_share_when_the_model_overstates_capacity():
-    sched = GlobalScheduler(["prefill", "decode"], PerfModel(prefill_tokens_per_s=1e6, decode_step_s=0.01),
-                            SloTargets(0.5, 0.02), window_s=10.0, prefix_aware=False)
+    sched = RequestLedger(["prefill", "decode"], PerfModel(prefill_tokens_per_s=1e6, decode_step_s=0.01),
+                          SloTargets(0.5, 0.02), window_s=10.0, prefix_aware=False)
     for i in range(2):
-        sched.add_engine("prefill", f"p{i}", 16, 1000)
+        sched.engines.add("prefill", f"p{i}", 16, 1000)
+    sched.engines.add("decode", "decode-0", 16, 1000)
+    script = Script(sched)
     for k in range(100):  # each engine: a 2048-token prompt every 0.2 s, 0.12 s in prefill
         t = k * 0.1
-        ticket = sched.prefill_started("prefill", f"p{k % 2}", 2048, now=t)
-        sched.first_token(ticket, now=t + 0.12, observe=False)
+        script.prefill(f"p{k % 2}", 2048, t, t + 0.12)
     signals = sched.signals("prefill", now=10.0)
     modelled = 10 * 2048 / (2 * 1e6)
     assert modelled < 0.05

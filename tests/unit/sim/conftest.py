@@ -6,7 +6,7 @@ import pytest
 import pdserve.autoscaler.controller as controller
 import pdserve.autoscaler.policy as policy
 import pdserve.scheduler.routing as routing
-import pdserve.scheduler.scheduler as scheduler
+import pdserve.scheduler.ledger as ledger
 
 from pdserve.scheduler.perf_model import PerfModel
 from pdserve.sim.engine_profile import EngineProfile
@@ -66,7 +66,7 @@ def workload(*rows):
 @pytest.fixture
 def production_calls(monkeypatch):
     """Counts of calls to the production `place`, `place_colocated` and `decide`, reached the
-    way the simulators reach them: through the scheduler and the controller modules."""
+    way the simulators reach them: through the ledger and the controller modules."""
     calls = {"place": 0, "place_colocated": 0, "decide": 0}
 
     def spy(name, real):
@@ -75,7 +75,7 @@ def production_calls(monkeypatch):
             return real(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(scheduler, "place", spy("place", routing.place))
-    monkeypatch.setattr(scheduler, "place_colocated", spy("place_colocated", routing.place_colocated))
+    monkeypatch.setattr(ledger, "place", spy("place", routing.place))
+    monkeypatch.setattr(ledger, "place_colocated", spy("place_colocated", routing.place_colocated))
     monkeypatch.setattr(controller, "decide", spy("decide", policy.decide))
     return calls

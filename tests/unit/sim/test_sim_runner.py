@@ -5,7 +5,7 @@ import pytest
 import pdserve.autoscaler.controller as controller
 import pdserve.autoscaler.policy as policy
 import pdserve.scheduler.routing as routing
-import pdserve.scheduler.scheduler as scheduler
+import pdserve.scheduler.ledger as ledger
 from conftest import workload
 from pdserve.autoscaler.policy import PoolBounds, ScalingPolicy
 from pdserve.bench.metrics import SLOTargets
@@ -63,13 +63,13 @@ def test_same_seed_same_result_other_seed_other_result(profile):
 
 
 def test_the_scheduler_and_controller_use_the_very_routing_and_policy_functions():
-    # The scheduler module uses the very functions of routing.py (not copies) ...
-    assert scheduler.place is routing.place and scheduler.place_colocated is routing.place_colocated
+    # The ledger module uses the very functions of routing.py (not copies) ...
+    assert ledger.place is routing.place and ledger.place_colocated is routing.place_colocated
     assert controller.decide is policy.decide
 
 
 def test_the_simulator_calls_the_production_routing_and_scaling_functions(profile, production_calls):
-    # ... and the simulator reaches them through the scheduler and the controller.
+    # ... and the simulator reaches them through the ledger and the controller.
     calls = production_calls
     wl = at_rate("random", 50, 10.0, input_len=100, output_len=10)
     bounds = PoolBounds(1, 3)
