@@ -23,13 +23,13 @@ Lifecycle of `Simulation.run(workload)`:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pdserve.autoscaler.controller import Autoscaler
 from pdserve.autoscaler.policy import PoolBounds, ScalingDecision, ScalingPolicy
 from pdserve.engine.types import Leg
-from pdserve.scheduler.ledger import RequestLedger
+from pdserve.scheduler.ledger import LedgerEvent, RequestLedger
 from pdserve.scheduler.routing import Rejection, RoutingPolicy
 from pdserve.scheduler.types import COLOCATED, DECODE, PREFILL, SloTargets
 from pdserve.sim.baselines import TtftOnlyAutoscaler
@@ -143,12 +143,15 @@ class SimRun:
 
 
 class Simulation:
-    def __init__(self, config: SimConfig) -> None:
+    def __init__(self, config: SimConfig,
+                 observer: Callable[[LedgerEvent], None] | None = None) -> None:
+        """`observer`: sees every lifecycle event the simulation books (tests, tracing)."""
         self.config = config
         self.queue = EventQueue()
         perf = config.profile.perf
         self.ledger = RequestLedger(list(config.topology.pools), perf, config.slo,
-                                    config.routing, window_s=config.window_s, prefix_aware=False)
+                                    config.routing, window_s=config.window_s, prefix_aware=False,
+                                    observer=observer)
         self.autoscaler = build_autoscaler(config)
         self._engines: dict[str, dict[str, SimEngine]] = {p: {} for p in config.topology.pools}
         self._all_engines: list[SimEngine] = []
