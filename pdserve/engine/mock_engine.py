@@ -25,7 +25,7 @@ from pathlib import Path
 from pdserve.config.schema import MockEngineConfig
 from pdserve.engine.spec import EngineSpec
 from pdserve.engine.step_trace import Step, StepTraceWriter
-from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
+from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest, Leg
 
 # Token id the mock treats as end-of-sequence (never produced unless asked for).
 _VOCAB_SIZE = 32000
@@ -123,7 +123,7 @@ class MockEngine:
             # A decode leg whose KV arrives from a prefill engine pulls it, then computes one
             # token only.
             n = len(state.request.prompt_token_ids)
-            if _remote_prefill(state.request):
+            if state.request.leg is Leg.DECODE:
                 await self._simulate_pull(n - 1)
                 n = 1
             await asyncio.sleep(n / self._settings.prefill_tokens_per_s)
@@ -178,26 +178,28 @@ class MockEngine:
         return None
 
     def _next_token(self, state: _Running) -> int:
-        prompt, position = state.request.prompt_token_ids, len(state.output)
-        if _remote_prefill(state.request):
-            # Decode leg of a disaggregated request: the last prompt token is the first output
-            # token, so the continuation equals what a colocated run produces.
-            prompt, position = prompt[:-1], position + 1
+        request = state.request
+        # A decode leg's prompt ends with the tokens the client already has (the first token):
+        # counted as output, its continuation equals what a colocated run produces.
+        prior = request.prior_output_tokens
+        prompt = request.prompt_token_ids[:len(request.prompt_token_ids) - prior]
+        position = len(state.output) + prior
         base = sum(prompt) + len(prompt) if prompt else 1
         return (base * 31 + position * 7) % _VOCAB_SIZE
 
     def _delta(self, state: _Running, ids: tuple[int, ...], text: str, finish: str | None) -> GenerateDelta:
         return GenerateDelta(
             request_id=state.request.request_id, text=text, token_ids=ids,
-            num_prompt_tokens=len(state.request.prompt_token_ids),
-            num_output_tokens=len(state.output), finish_reason=finish,
+            num_prompt_tokens=state.request.client_prompt_tokens,
+            num_output_tokens=len(state.output) + state.request.prior_output_tokens,
+            finish_reason=finish,
             kv_transfer_params=self._transfer_params(state) if finish else None,
         )
 
     def _transfer_params(self, state: _Running) -> dict | None:
         """What a prefill leg hands to its decode leg (shape of the real connector's params)."""
         params = state.request.kv_transfer_params or {}
-        if not params.get("do_remote_decode"):
+        if state.request.leg is not Leg.PREFILL or not params.get("do_remote_decode"):
             return None
         prompt = len(state.request.prompt_token_ids)
         blocks = math.ceil(prompt / self._settings.block_size)
@@ -216,6 +218,3 @@ class MockEngine:
         if not state.finished:
             self._aborted_total += 1
 
-
-def _remote_prefill(request: GenerateRequest) -> bool:
-    return bool((request.kv_transfer_params or {}).get("do_remote_prefill"))

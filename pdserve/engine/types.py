@@ -38,8 +38,17 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingOptions
+    leg: Leg = Leg.FULL
+    # The last tokens of the prompt that the client already has as output (a decode leg: the
+    # first token, from the prefill leg). Deltas count them as output, not prompt, so a leg's
+    # deltas go to the client as they are.
+    prior_output_tokens: int = 0
     # Opaque to the engine adapter; consumed by pdserve's KV connector (disaggregated mode).
     kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def client_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids) - self.prior_output_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,7 +133,8 @@ class VllmEngine:
                 yield GenerateDelta(
                     request_id=request.request_id, text=completion.text,
                     token_ids=tuple(completion.token_ids),
-                    num_prompt_tokens=len(request.prompt_token_ids), num_output_tokens=produced,
+                    num_prompt_tokens=request.client_prompt_tokens,
+                    num_output_tokens=produced + request.prior_output_tokens,
                     finish_reason=finish_reason,
                     kv_transfer_params=getattr(out, "kv_transfer_params", None),
                 )

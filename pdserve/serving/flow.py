@@ -132,10 +132,7 @@ class RequestFlow:
                     raise EngineRequestError(
                         f"KV transfer for {request.request_id} from its prefill engine failed "
                         "(kv.failure_policy is 'fail')")
-                yield dataclasses.replace(
-                    delta, request_id=request.request_id,
-                    num_prompt_tokens=len(request.prompt_token_ids),
-                    num_output_tokens=delta.num_output_tokens + 1)
+                yield delta  # the client's id and counts already (GenerateRequest.prior_output_tokens)
 
     async def _prefill(self, request: GenerateRequest,
                        admission: Admission) -> GenerateDelta | None:
@@ -218,19 +215,21 @@ def prefill_request(request: GenerateRequest) -> GenerateRequest:
     sampling = dataclasses.replace(request.sampling, max_tokens=1)
     decode_follows = request.sampling.max_tokens > 1
     return dataclasses.replace(
-        request, request_id=f"{request.request_id}-p", sampling=sampling,
+        request, request_id=f"{request.request_id}-p", sampling=sampling, leg=Leg.PREFILL,
         kv_transfer_params={"do_remote_decode": True} if decode_follows else None,
     )
 
 
 def decode_request(request: GenerateRequest, first: GenerateDelta) -> GenerateRequest:
-    """The decode leg: prompt + first token, the rest of the budget, and where the KV is."""
+    """The decode leg, under the client's request id (it runs on another engine than the
+    prefill leg): prompt + first token (already the client's output), the rest of the budget,
+    and the prefill engine connector's transfer parameters (where the KV is)."""
     params = {k: v for k, v in (first.kv_transfer_params or {}).items() if k != "do_remote_decode"}
     params["do_remote_prefill"] = True
     sampling = dataclasses.replace(request.sampling, max_tokens=request.sampling.max_tokens - 1)
     return dataclasses.replace(
-        request, request_id=f"{request.request_id}-d",
-        prompt_token_ids=request.prompt_token_ids + first.token_ids, sampling=sampling,
+        request, prompt_token_ids=request.prompt_token_ids + first.token_ids, sampling=sampling,
+        leg=Leg.DECODE, prior_output_tokens=request.prior_output_tokens + len(first.token_ids),
         kv_transfer_params=params,
     )
 
