@@ -19,6 +19,8 @@ time: their pulls run on pairs already set up, so they time the transfer itself 
 pulls of an arm include NCCL pair set-up, ~200 ms). Reads the KV pulls of both phases from
 /metrics (pdserve_kv_transfer_seconds), and keeps any "pulled N blocks" lines the decode engine logged. Writes JSON
 to --out and prints a table. About 60-90 s to start each arm; under 6 minutes for all.
+`benchmarks/gpu/proof.sh MODEL tp` runs it; the pass/fail check that TP1 -> TP2 serves is
+tests/gpu/test_mixed_tp.py.
 """
 
 from __future__ import annotations
@@ -34,10 +36,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from proof import delta, metric_sum, pdserve_args, pulls_from_log  # noqa: E402
-
+from pdserve.bench.arms import delta, metric_sum, pdserve_args, pulls_from_log  # noqa: E402
 from pdserve.testing.server import free_port, start_process  # noqa: E402
 
 NUM_REQUESTS = 16

@@ -1,15 +1,14 @@
-"""benchmarks/gpu/proof.py: arm names, and the goodput table over a folder of arm records."""
+"""pdserve.bench.arms and arm_summary (benchmarks/gpu/proof.py): arm names, the commands that serve
+them, their counters, and the goodput table over a folder of arm records."""
 
 import argparse
 import json
 
 import pytest
 
-from scripts import load_script
+from pdserve.bench import arm_summary, arms
 
 pytestmark = pytest.mark.unit
-
-proof = load_script("gpu/proof", "gpu_proof")
 
 
 @pytest.mark.parametrize(
@@ -19,7 +18,7 @@ proof = load_script("gpu/proof", "gpu_proof")
      ("3P1D-grpc", "disagg", 3, 1, 4)],
 )
 def test_arm_names_parse_to_engine_counts(name, kind, prefill, decode, gpus):
-    spec = proof.arm_spec(name)
+    spec = arms.arm_spec(name)
     assert (spec.kind, spec.prefill, spec.decode, spec.num_gpus) == (kind, prefill, decode, gpus)
 
 
@@ -27,14 +26,14 @@ def test_arm_names_parse_to_engine_counts(name, kind, prefill, decode, gpus):
 def test_bad_arm_names_are_refused_with_the_forms_allowed(name):
     with pytest.raises(argparse.ArgumentTypeError, match=r"xPyD \(or xPyD-grpc\), colocated-N, vllm-N"
                        if name not in ("0P2D", "2P0D", "colocated-0") else "at least one"):
-        proof.arm_spec(name)
+        arms.arm_spec(name)
 
 
 def _record(arm: str, gpus: int, rows: list[tuple[float, float, float, float]]) -> dict:
     """rows: (rate, attainment at 8, 10, 20 ms)."""
     bench = {"request_throughput": 1.0, "median_ttft_ms": 100, "p90_ttft_ms": 200,
              "median_tpot_ms": 9, "p90_tpot_ms": 10, "failed": 0}
-    return {"arm": arm, "label": proof.arm_spec(arm).label, "num_gpus": gpus, "start_s": 90.0,
+    return {"arm": arm, "label": arms.arm_spec(arm).label, "num_gpus": gpus, "start_s": 90.0,
             "commands": [], "host": {}, "skipped_rates": [], "rates": [
                 {"rate": r, "attainment": {"8": a8, "10": a10, "20": a20}, "bench": bench}
                 for r, a8, a10, a20 in rows]}
@@ -49,7 +48,7 @@ def test_goodput_is_per_gpu_and_each_disaggregated_arm_is_compared_with_each_bas
     for record in records:
         (tmp_path / f"{record['arm']}.json").write_text(json.dumps(record))
     (tmp_path / "transfer.json").write_text(json.dumps({"rows": []}))  # not an arm: ignored
-    assert proof.summarize(argparse.Namespace(results=tmp_path, no_plots=True)) == 0
+    assert arm_summary.summarize(tmp_path, plots=False) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert list(summary["goodput_per_gpu"]) == ["2P2D", "colocated-4", "vllm-4"]
     assert summary["goodput_per_gpu"]["2P2D"] == {"8": 0, "10": 5.0, "20": 7.0}
@@ -69,7 +68,7 @@ def test_a_goodput_not_pushed_to_failure_is_a_lower_bound_and_so_is_its_ratio(tm
     ]
     for record in records:
         (tmp_path / f"{record['arm']}.json").write_text(json.dumps(record))
-    assert proof.summarize(argparse.Namespace(results=tmp_path, no_plots=True)) == 0
+    assert arm_summary.summarize(tmp_path, plots=False) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["lower_bound"]["disagg"] == {"8": True, "10": True, "20": True}
     table = summary["table_markdown"]
@@ -86,52 +85,43 @@ def test_merge_joins_one_arms_rates_from_several_starts(tmp_path):
         paths.append(tmp_path / f"run{i}.json")
         paths[-1].write_text(json.dumps(record))
     out = tmp_path / "colocated.json"
-    assert proof.merge(argparse.Namespace(records=paths, out=out)) == 0
+    assert arm_summary.merge(paths, out) == 0
     merged = json.loads(out.read_text())
     assert [row["rate"] for row in merged["rates"]] == [4, 8, 10, 12]
     assert [run["rates"] for run in merged["runs"]] == [[10, 12], [4, 8]]
     assert merged["start_s"] == 75.0
     (tmp_path / "other.json").write_text(json.dumps(_record("vllm", 2, [(4, 1, 1, 1)])))
     with pytest.raises(SystemExit, match="different arms"):
-        proof.merge(argparse.Namespace(records=[paths[0], tmp_path / "other.json"], out=out))
+        arm_summary.merge([paths[0], tmp_path / "other.json"], out)
     # A rate measured twice keeps the first row given; the other is kept aside as a repeat.
     again = tmp_path / "again.json"
     again.write_text(json.dumps(_record("colocated", 2, [(12, 0.7, 1, 1), (14, 0.2, 1, 1)])))
-    assert proof.merge(argparse.Namespace(records=[paths[0], again], out=out)) == 0
+    assert arm_summary.merge([paths[0], again], out) == 0
     merged = json.loads(out.read_text())
     assert [(row["rate"], row["attainment"]["8"]) for row in merged["rates"]] == [(10, 1), (12, 0.5), (14, 0.2)]
     assert [(row["rate"], row["attainment"]["8"]) for row in merged["repeats"]] == [(12, 0.7)]
 
 
 def test_a_grpc_arm_serves_with_the_grpc_transport_and_says_so():
-    nccl, grpc = proof.arm_spec("3P1D"), proof.arm_spec("3P1D-grpc")
+    nccl, grpc = arms.arm_spec("3P1D"), arms.arm_spec("3P1D-grpc")
     assert (nccl.transport, grpc.transport) == ("nccl", "grpc")
     assert nccl.label == "pdserve 3P1D (NCCL)" and grpc.label == "pdserve 3P1D (gRPC)"
 
 
-def test_an_arm_is_served_with_its_transport_and_the_step_trace_when_asked(tmp_path, monkeypatch):
-    started = []
-
-    def fake_start(command, port, log_path, timeout_s, env=None):
-        started.append((command, env))
-        return argparse.Namespace(base_url=f"http://127.0.0.1:{port}")
-
-    monkeypatch.setattr(proof, "start_process", fake_start)
-    monkeypatch.setenv("PROOF_STEP_TRACE", str(tmp_path))
-    proof.start_arm(proof.arm_spec("3P1D-grpc"), "model", tmp_path, False, ["0", "1", "2", "3"])
-    monkeypatch.delenv("PROOF_STEP_TRACE")
-    proof.start_arm(proof.arm_spec("1P1D"), "model", tmp_path, False, ["0", "1"])
-    (grpc, env), (nccl, _) = started
+def test_an_arm_is_served_with_its_transport_and_the_step_trace_when_asked(tmp_path):
+    grpc, env = arms.serve_command(arms.arm_spec("3P1D-grpc"), "model", False, ["0", "1", "2", "3"], 8000,
+                                   step_trace_root=tmp_path)
+    nccl, _ = arms.serve_command(arms.arm_spec("1P1D"), "model", False, ["0", "1"], 8000)
     assert grpc[grpc.index("--transport") + 1] == "grpc" and nccl[nccl.index("--transport") + 1] == "nccl"
     assert f"engine.step_trace_dir={tmp_path}/3P1D-grpc-steps" in grpc
     assert not any(arg.startswith("engine.step_trace_dir") for arg in nccl)
     assert env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
 
 
-def test_an_arms_counters_carry_each_pools_engine_first_output(monkeypatch):
+def test_an_arms_counters_carry_each_pools_engine_first_output():
     from prometheus_client import generate_latest
 
-    from pdserve.api.metrics import ServingMetrics
+    from pdserve.serving.metrics import ServingMetrics
     from pdserve.engine.types import EngineStats
 
     metrics = ServingMetrics()
@@ -139,11 +129,9 @@ def test_an_arms_counters_carry_each_pools_engine_first_output(monkeypatch):
                             EngineStats("decode-0", "decode", first_output_seconds=(0.004,))],
                            ["prefill", "decode"])
     text = generate_latest(metrics.registry).decode()
-    monkeypatch.setattr(proof.httpx, "get", lambda url, timeout: argparse.Namespace(text=text))
-    arm = proof.Arm("1P1D", "http://x", [], [], pdserve=True)
-    counters = proof.kv_counters(arm)
+    counters = arms.engine_counters(text)
     assert counters["first_output_count_prefill"] == 3 and counters["first_output_le0.075_prefill"] == 1
     assert counters["first_output_le0.15_prefill"] == 3 and counters["first_output_count_decode"] == 1
     assert "first_output_count_colocated" not in counters
-    line = proof._counters_line(counters)
+    line = arms.counters_line(counters)
     assert "prefill engine first output 97 ms mean, 33% <= 75 ms" in line and "decode engine" in line

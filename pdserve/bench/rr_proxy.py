@@ -1,6 +1,6 @@
 """A round-robin HTTP proxy in front of several OpenAI-compatible servers (the plain-vLLM arm).
 
-    python benchmarks/gpu/rr_proxy.py --port 8000 \
+    python -m pdserve.bench.rr_proxy --port 8000 \
         --backend http://127.0.0.1:8100 --backend http://127.0.0.1:8101
 
 Each POST goes to the next backend in turn; GETs (/health, /v1/models, /metrics) go to the first,
