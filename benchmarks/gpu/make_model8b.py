@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/gpu/make_model8b.py gpumodel8b
 
-The GPU runs (proof.sh, x4.sh, tp_check.py) serve it with vLLM's `load_format="dummy"`, so the
+The GPU runs (proof.sh, x4.sh, tp_check.py, tests/gpu) serve it with vLLM's `load_format="dummy"`, so the
 weights are random and nothing is downloaded: what matters is the shape (hidden 4096, 32
 layers, 32 query and 8 KV heads of 128, intermediate 14336, vocabulary 128256, llama3 rope,
 bf16), which sets the compute per token and the KV per token (128 KiB). The tokenizer files

@@ -6,7 +6,8 @@
 # - bundle0/ .. bundleN/: one part each of the vLLM 0.24 + Ray bundle from
 #   ../shared/gpu/build-bundle.sh (about 10 minutes; BUNDLE_DIR reuses parts built before).
 # All are git-ignored. Each device call carries one bundle folder and copies its part to /tmp/b/
-# (`mkdir -p /tmp/b && cp bundleK/part.* /tmp/b/`); proof.sh and x4.sh unpack /tmp/b on first use.
+# (`mkdir -p /tmp/b && cp bundleK/part.* /tmp/b/`); benchmarks/gpu/env.sh (sourced by proof.sh,
+# x4.sh and tests/gpu/run.sh) unpacks /tmp/b on first use.
 # The working tree travels with every call, and with benchmarks/results/ (~110 MB) it is over
 # the device's 64 MiB: make the calls from a branch without it, and come back afterwards
 # (session 17):

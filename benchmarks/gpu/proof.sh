@@ -21,13 +21,7 @@
 set -euo pipefail
 model=${1:?usage: proof.sh MODEL_DIR PART...}; shift
 out=${OUT:-/tmp/out}; mkdir -p "$out"
-# NVLink multicast stays off on shared hosts; vLLM 0.24's FlashInfer sampler needs a JIT we lack.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-[[ -d /tmp/site ]] || { cat /tmp/b/part.* | xz -d -T0 | tar -x -C /tmp; }
-# The generated gRPC code needs grpcio >= 1.85.1; the host has 1.84.
-[[ -d /tmp/site2 ]] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl/grpcio-*.whl
-export PYTHONPATH=/tmp/site2:/tmp/site:$PWD
+source "$(dirname "$0")/env.sh" || exit 2  # NCCL settings, the vLLM bundle, grpcio, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
 # `ray stop` ends every Ray instance on the host: parts running side by side on other GPUs
 # (benchmarks/gpu/x4.sh) set PROOF_KEEP_RAY=1 and stop Ray once they are all done.

@@ -55,9 +55,7 @@ set -uo pipefail
 model=${1:?usage: x4.sh MODEL_DIR STEP}; step=${2:?step a to m, 2a to 2e or 1a, 1b}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
-export PYTHONPATH=/tmp/site2:/tmp/site:$PWD
-[[ -d /tmp/site ]] || { cat /tmp/b/part.* | xz -d -T0 | tar -x -C /tmp; }
-[[ -d /tmp/site2 ]] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl/grpcio-*.whl
+source "$here/env.sh" || exit 2  # NCCL settings, the vLLM bundle, grpcio, PYTHONPATH
 export PROOF_ARRIVAL_S=${PROOF_ARRIVAL_S:-8} PROOF_MIN_PROMPTS=${PROOF_MIN_PROMPTS:-50} PROOF_KEEP_RAY=1
 proof() { "$here/proof.sh" "$model" "$@"; }
 stream() { local name=$1; shift; ( "$@" ) >"$out/$step-$name.log" 2>&1 & }
