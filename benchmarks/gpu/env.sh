@@ -18,7 +18,8 @@ for carried in "$pdserve_root"/bundle*/part.*; do
 done
 if [[ ! -d /tmp/site ]]; then
   if ! ls /tmp/b/part.* >/dev/null 2>&1; then
-    echo "env.sh: no vLLM bundle: /tmp/site is missing and /tmp/b holds no part.* (benchmarks/gpu/prepare.sh)" >&2
+    echo "env.sh: no vLLM bundle: /tmp/site is missing and /tmp/b holds no part.*" \
+      "(benchmarks/gpu/prepare.sh)" >&2
     return 2
   fi
   if ! (set -o pipefail; cat /tmp/b/part.* | xz -d -T0 | tar -x -C /tmp); then
@@ -33,7 +34,7 @@ if [[ ! -d /tmp/site2 ]]; then
     echo "env.sh: no .whl/grpcio-*.whl in the working tree: carry .whl (benchmarks/gpu/prepare.sh)" >&2
     return 2
   fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 "$pdserve_root"/.whl/grpcio-*.whl \
-    || { rm -rf /tmp/site2; return 2; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 \
+    "$pdserve_root"/.whl/grpcio-*.whl || { rm -rf /tmp/site2; return 2; }
 fi
 export PYTHONPATH=/tmp/site2:/tmp/site:$pdserve_root

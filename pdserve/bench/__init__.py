@@ -14,6 +14,10 @@ Package map (each module's docstring gives its lifecycle):
 - `report` / `plots`: vllm-compatible result JSON, per-request CSV, text summary, PNG plots.
 - `sweep`: attainment vs request rate, goodput search (pure policy + driver), endpoint comparison.
 - `cli` / `cli_args`: `pdserve bench {serve,sweep,compare}` and `python -m pdserve.bench.cli`.
+- `arms` / `arm_summary`: the GPU proof's serving arms by name (xPyD, colocated-N, vllm-N), the commands
+  that serve them, their /metrics counters; the per-GPU goodput table over their records
+  (`benchmarks/gpu/proof.py` drives them). `rr_proxy`: the round-robin proxy of a plain-vLLM arm.
+- `ttft_breakdown`: where a served request's TTFT goes, from the engines' step traces and the client's times.
 
 Importing the package imports nothing heavy; the modules pull numpy, aiohttp, matplotlib and tqdm (the
 `bench` extra) and transformers (for tokenizers) when used.

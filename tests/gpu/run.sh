@@ -22,8 +22,8 @@ if [[ ! -f $PDSERVE_GPU_MODEL/config.json ]]; then
   }
 fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
-python3 -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)" \
-  || { echo "run.sh: torch, vLLM or Ray does not import" >&2; exit 2; }
+python3 -c "import torch, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__,
+'ray', ray.__version__)" || { echo "run.sh: torch, vLLM or Ray does not import" >&2; exit 2; }
 basetemp=/tmp/pdserve-gpu-tests
 python3 -m pytest -m gpu tests/gpu -v -rA -p no:cacheprovider --basetemp "$basetemp" \
   --junitxml "$out/gpu-tests.xml" "$@" 2>&1 | tee "$out/gpu-tests.log"
@@ -45,8 +45,9 @@ for case in root.iter("testcase"):
     outcome = "passed" if verdict is None else verdict.tag
     detail = "" if verdict is None else verdict.get("message", "")
     props = ", ".join(f"{p.get('name')}={p.get('value')}" for p in case.iter("property"))
-    print(f"{outcome:8} {case.get('name')} ({float(case.get('time', 0)):.0f} s)"
-          + (f": {detail.splitlines()[0][:200]}" if detail else "") + (f"\n         {props}" if props else ""))
+    line = f"{outcome:8} {case.get('name')} ({float(case.get('time', 0)):.0f} s)"
+    line += f": {detail.splitlines()[0][:200]}" if detail else ""
+    print(line + (f"\n         {props}" if props else ""))
 PY
 echo "== exit $status (logs in $out)"
 exit "$status"
