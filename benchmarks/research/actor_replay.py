@@ -10,7 +10,7 @@ the means split: measured, to vLLM's scheduler (`in`: input processing and its i
 the step that began the prefill (`wait`), that step as the trace times it, and back to the
 actor (`out`); simulated, to that step and from its start to the first token. Under async
 scheduling a step's recorded start can come after its work began on the GPU (the step before it
-keeps its outputs while the engine core launches a prefill: pdserve.engine.step_trace), so
+keeps its outputs while the engine core launches a prefill: pdserve.sim.calibration.step_fit), so
 `wait` holds some of the prefill and `step` less of it. A colocated engine's request
 is a full leg; a disaggregated prefill engine's (`prefill-N`) a prefill leg that its decode
 engine pulls at once. Every request is the arm's shape (`--prompt`, `--output`).
@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pdserve.engine.step_trace import read_requests, read_steps, unpack_trace  # noqa: E402
+from pdserve.sim.calibration.trace_reader import read_requests, read_steps, unpack_trace  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile  # noqa: E402
 from pdserve.sim.validation.actor_replay import STATS, compare, step_starts  # noqa: E402
 

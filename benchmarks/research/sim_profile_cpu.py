@@ -23,7 +23,7 @@ is measured here and stored as the profile's startup_s.
 
 With --step-trace the service writes its engine step traces to OUT/steps-ARM
 (`engine.step_trace_dir`) and the profile gains `step_fit`, the step model fitted to them
-(pdserve.engine.step_trace), which the simulator then uses.
+(pdserve.sim.calibration.step_fit), which the simulator then uses.
 """
 
 from __future__ import annotations

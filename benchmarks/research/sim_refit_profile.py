@@ -1,7 +1,7 @@
 """Redo a recorded profile's `step_fit` with today's fit code, on the profile's own step trace.
 
 A profile keeps the step model its recording code fitted. When the fit changes (2026-11-27: a
-context term of its own, lone prefills timed by the engine, see pdserve.engine.step_trace), a
+context term of its own, lone prefills timed by the engine, see pdserve.sim.calibration.step_fit), a
 profile recorded earlier can be refitted from its trace instead of measured again. Only steps
 since the profile's recorded `since` count (all steps where it has none: a profile server that
 ran nothing else), or from `--since` to `--until` (the trace's clock), for instance a stretch of
@@ -16,7 +16,7 @@ tell how long a fresh step delays the look ahead (`lookahead_s`, pdserve.sim.eng
 `--lookahead-s` writes one measured elsewhere (the same engine and GPU) for them.
 
 A profile of one engine sees no KV pulls. `--handoff-from` fits what a disaggregated prefill
-engine's step costs per request it hands over (`handoff_s`, pdserve.engine.step_trace.fit_handoff)
+engine's step costs per request it hands over (`handoff_s`, pdserve.sim.calibration.step_fit.fit_handoff)
 on the prefill engines of other recorded 1P1D runs (`ARM-raw.tar.xz` of benchmarks/gpu/proof.sh:
 the same engine and GPU, other runs), and writes it into the profile. The refit and the handoff
 fit are pdserve.sim.validation.refit.

@@ -9,11 +9,11 @@ Refitted (`--refit-trace DIR`): the profile's step_fit is redone with the curren
 profile's own steps (those before the first measured run), for a profile recorded by older code.
 
 With step noise (`--noise-seeds K`): each run is simulated K times, its steps wandering as the
-profile's step trace showed (`step_fit.noise`, pdserve.engine.step_noise), and each metric's
+profile's step trace showed (`step_fit.noise`, pdserve.sim.calibration.step_noise), and each metric's
 median over the K is compared; the lowest and highest simulated values are kept (`sim_range`).
 
 On one host (`--shared-host`): the engines ran on one machine, and where the fit found them
-slowing each other (`step_fit.interference`, pdserve.engine.step_interference) a simulated step
+slowing each other (`step_fit.interference`, pdserve.sim.calibration.step_interference) a simulated step
 that starts while the other engine runs one takes longer (`SimConfig.shared_host`).
 
 Fitted under load (`--fit-trace DIR --fit-run RUN.json...`): the profile's `step_fit` is refitted
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pdserve.bench.metrics import SLOTargets  # noqa: E402
 from pdserve.bench.report import result_json  # noqa: E402
-from pdserve.engine.step_trace import read_steps  # noqa: E402
+from pdserve.sim.calibration.trace_reader import read_steps  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile, h200_kv_blocks  # noqa: E402
 from pdserve.sim.results import bench_result, run_json  # noqa: E402
 from pdserve.sim.runner import SimConfig, Topology, simulate  # noqa: E402
@@ -175,7 +175,7 @@ def main() -> int:
                         "the summed durations), simulated and measured alike")
     parser.add_argument("--noise-seeds", type=int, default=0, metavar="K",
                         help="simulate each run K times with the profile's step noise on (seeds "
-                        "0..K-1: pdserve.engine.step_noise) and compare the median of each metric; "
+                        "0..K-1: pdserve.sim.calibration.step_noise) and compare the median of each metric; "
                         "its range over the seeds is kept (sim_range)")
     parser.add_argument("--shared-host", action="store_true",
                         help="the engines shared the machine: steps beside the other engine's take "

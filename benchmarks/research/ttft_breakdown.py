@@ -3,7 +3,7 @@
 Each request of each rate is matched to the step that started it and its TTFT split into the way
 in, the wait, the step and the way out (at the engine actor too, where the actors wrote their
 side); pdserve.bench.ttft_breakdown says how. Also prints the look-ahead delays
-(`pdserve.engine.step_trace.lookahead_delays`) the traces show.
+(`pdserve.sim.calibration.step_fit.lookahead_delays`) the traces show.
 
     .venv/bin/python benchmarks/research/ttft_breakdown.py \\
         benchmarks/results/gpu/2026-11-27-h100-x2-s13/disagg-raw.tar.xz
@@ -24,9 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pdserve.bench.ttft_breakdown import actor_rows, breakdown, starts_of  # noqa: E402
-from pdserve.engine.step_trace import (  # noqa: E402
-    lookahead_delays, read_requests, read_steps, unpack_trace,
-)
+from pdserve.sim.calibration.step_fit import lookahead_delays  # noqa: E402
+from pdserve.sim.calibration.trace_reader import read_requests, read_steps, unpack_trace  # noqa: E402
 
 
 def main() -> int:

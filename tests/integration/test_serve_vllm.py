@@ -16,7 +16,8 @@ import httpx
 import openai
 import pytest
 
-from pdserve.engine.step_trace import fit_steps, read_request_spans, read_steps
+from pdserve.sim.calibration.step_fit import fit_steps
+from pdserve.sim.calibration.trace_reader import read_request_spans, read_steps
 from pdserve.testing.server import metric_value, start_server
 
 pytestmark = pytest.mark.integration

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.engine import tracing_scheduler
-from pdserve.engine.step_trace import Step, StepTraceWriter, read_steps
+from pdserve.engine.step_trace import Step, StepTraceWriter
 from pdserve.engine.tracing_scheduler import (
     TRACE_ENV, make_traced_scheduler, step_shape, trace_environment, traced, vllm_scheduler_cls,
 )
+from pdserve.sim.calibration.trace_reader import read_steps
 
 pytestmark = pytest.mark.unit
 

@@ -20,7 +20,8 @@ import datetime
 import tempfile
 from pathlib import Path
 
-from pdserve.engine.step_trace import fit_handoff, fit_replicas, read_steps, unpack_trace
+from pdserve.sim.calibration.step_fit import fit_handoff, fit_replicas
+from pdserve.sim.calibration.trace_reader import read_steps, unpack_trace
 from pdserve.sim.profile import step_fit_of
 
 

@@ -32,7 +32,7 @@ the value at its end and the average over it (both Gaussian given the start; `_b
 process runs in virtual time, idle gaps included, at two draws per component and step.
 
 Each engine's process is its own. Two engines of one host slowing each other (on the CPU, decode
-steps 11% slower while the prefill engine prefills) is pdserve.engine.step_interference; its
+steps 11% slower while the prefill engine prefills) is pdserve.sim.calibration.step_interference; its
 slowdown is in the residuals fitted here too. GPU steps wander little
 (0.001-0.011 in log variance per 10-16 ms on the H100 traces that record arrivals).
 """
@@ -102,7 +102,7 @@ def fit_step_noise(traces: Iterable[Sequence], min_steps: int = 200, min_kind: i
     columns = []  # per replica: (start, end, residual)
     for trace in traces:
         # Steps during which requests reached vLLM's scheduler ran longer by the time it took to
-        # admit them (pdserve.engine.step_trace.quiet_prefills): a cost, not noise; left out. A
+        # admit them (step_fit.quiet_prefills): a cost, not noise; left out. A
         # trace that does not record arrivals (before 2026-11-28) cannot tell them: no fit.
         arrivals = sorted(a for s in trace for a in s.arrived or ())
         if not arrivals:
@@ -154,7 +154,7 @@ def fit_step_noise(traces: Iterable[Sequence], min_steps: int = 200, min_kind: i
 
 def admitting(arrivals: list[float], start: float, end: float) -> bool:
     """Whether a request reached vLLM's scheduler during a step from `start` to `end` (`arrivals`
-    sorted): such a step ran longer by admitting it (step_trace.quiet_prefills)."""
+    sorted): such a step ran longer by admitting it (step_fit.quiet_prefills)."""
     i = bisect.bisect_right(arrivals, start)
     return i < len(arrivals) and arrivals[i] < end
 

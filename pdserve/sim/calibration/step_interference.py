@@ -16,7 +16,7 @@ mean = 1 - shared + shared * exp(slowdown): at the fit's load the average step i
 at a lighter load (fewer prefills beside the decode batch) faster, at a heavier one slower.
 
 The fit: per engine, its steps timed alone (`busy_s`) that admitted no request (as
-pdserve.engine.step_noise), each with the part of its window during which another engine of the
+pdserve.sim.calibration.step_noise), each with the part of its window during which another engine of the
 traces was running a step (their `busy_s` windows). Steps wholly inside (>= 90%) against steps
 wholly outside, within each kind (prompt tokens, decoding requests, context within 5%) that has
 `min_kind` of each: the difference of their median logs, weighted by the smaller count. The share
@@ -24,7 +24,7 @@ counts steps more than half inside, over all the role's steps timed alone.
 
 Not modelled: how much of a step overlaps (a step is shared or not, by the host at its start), and
 more than two engines (any other engine busy counts the same). The step noise
-(pdserve.engine.step_noise) was fitted with the slowdown in its residuals, so a simulation with
+(pdserve.sim.calibration.step_noise) was fitted with the slowdown in its residuals, so a simulation with
 both counts some of the spread twice.
 """
 
@@ -35,7 +35,7 @@ import math
 from collections.abc import Mapping, Sequence
 from statistics import median
 
-from pdserve.engine.step_noise import admitting, role
+from pdserve.sim.calibration.step_noise import admitting, role
 
 SHARED = 0.9  # a step this much inside the others' steps ran shared
 

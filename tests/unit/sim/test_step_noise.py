@@ -1,5 +1,5 @@
-"""pdserve.engine.step_noise: the window averages of the log speed, the fit, and the process the
-simulator draws."""
+"""pdserve.sim.calibration.step_noise: the window averages of the log speed, the fit, and the
+process the simulator draws."""
 
 import math
 import random
@@ -7,9 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from pdserve.engine.step_noise import (
+from pdserve.engine.step_trace import Step
+from pdserve.sim.calibration.step_fit import fit_replicas
+from pdserve.sim.calibration.step_noise import (
     StepNoise, fit_noise_by_role, fit_step_noise, role, window_cov, window_var)
-from pdserve.engine.step_trace import Step, fit_replicas
 
 pytestmark = pytest.mark.unit
 

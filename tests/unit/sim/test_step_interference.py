@@ -1,12 +1,13 @@
 """Engines of one host slowing each other: the fit from step traces, and the factors the simulator
-applies (pdserve.engine.step_interference)."""
+applies (pdserve.sim.calibration.step_interference)."""
 
 import math
 
 import pytest
 
-from pdserve.engine.step_interference import fit_interference, interference_factors
-from pdserve.engine.step_trace import Step, fit_replicas
+from pdserve.engine.step_trace import Step
+from pdserve.sim.calibration.step_fit import fit_replicas
+from pdserve.sim.calibration.step_interference import fit_interference, interference_factors
 
 pytestmark = pytest.mark.unit
 
