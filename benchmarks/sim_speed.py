@@ -1,11 +1,11 @@
 """Simulator speed: simulated requests per wall-clock second on one core, and what the issue's
 target (a day at 10k requests/s over 1000 GPUs = 864M requests) would take at that speed.
 
-Per-request simulator (DES) scenarios below; `--fluid` adds the fluid mode (pdserve.sim.fluid):
+Per-request simulator (DES) scenarios below, and the fluid mode's (pdserve.sim.fluid):
 `fluid-global:SECONDS` is 1000 colocated engines at a flat 10k req/s for that long, and
 `fluid-day` the whole target day (a diurnal curve peaking at 10k req/s, or `--flat-day` for a
-flat 10k), autoscaled, one process, one core. `--compare` runs both simulators on the same
-moderate workloads and writes the agreement table.
+flat 10k), autoscaled, one process, one core. How far the two modes agree on the same moderate
+workloads is benchmarks/sim_fluid_agreement.py.
 
 Traffic: the chat shape (Azure conversation statistics) on the H200 / Llama-3.1-8B profile at
 10 requests/s per engine (the target's density: 10k req/s over 1000 GPUs), colocated engines,

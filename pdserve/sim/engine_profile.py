@@ -26,7 +26,7 @@ added to every token a client sees, or, where the lone TTFTs less the engine's o
 in a line with the prompt (`response_line`), `response_of(prompt tokens)`.
 A disaggregated prefill engine's step after one that prefilled prompts the decode engine then
 pulls runs `handoff_s` longer per prompt (step_fit.fit_handoff): a profile of one engine does
-not see it, so it comes from other 1P1D runs (`benchmarks/sim_refit_profile.py --handoff-from`).
+not see it, so it comes from other 1P1D runs (`benchmarks/research/sim_refit_profile.py --handoff-from`).
 Where the trace showed the steps wander around this model (`step_noise`, by pool), a simulation
 run with step noise on (`SimConfig.step_noise`) gives each step its time times a factor drawn from
 a seeded process (pdserve.sim.calibration.step_noise). Where engines of one host slowed each other in the
