@@ -23,8 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.autoscaler.policy import PoolBounds  # noqa: E402
-from pdserve.bench.metrics import SLOTargets  # noqa: E402
-from pdserve.scheduler.routing import SloTargets  # noqa: E402
+from pdserve.slo import SloTargets  # noqa: E402
 from pdserve.sim.arrivals import WorkloadArrivals  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile  # noqa: E402
 from pdserve.sim.fluid import FluidConfig, FluidSimulation  # noqa: E402
@@ -35,8 +34,8 @@ from pdserve.sim.workload import RateCurve, at_rate, bursty, from_curve  # noqa:
 CALIBRATION = Path(__file__).resolve().parent / "profiles/h200-vllm0.24-llama8b.json"
 METRICS = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p90_tpot_ms",
            "p99_tpot_ms", "attainment", "request_goodput", "gpu_hours")
-SLO = SloTargets(0.1, 0.008)  # tight enough that attainment is not trivially 1 (H200: ~40 ms / 6 ms)
-GOODPUT = SLOTargets(ttft_ms=100, tpot_ms=8)
+SLO = SloTargets.from_s(0.1, 0.008)  # tight enough that attainment is not trivially 1 (H200: ~40 ms / 6 ms)
+GOODPUT = SloTargets(ttft_ms=100, tpot_ms=8)
 
 
 def workloads():

@@ -10,7 +10,7 @@ workloads is benchmarks/sim_fluid_agreement.py.
 Traffic: the chat shape (Azure conversation statistics) on the H200 / Llama-3.1-8B profile at
 10 requests/s per engine (the target's density: 10k req/s over 1000 GPUs), colocated engines,
 production routing on every request. Scenarios:
-- `global`: all 1000 engines behind one GlobalScheduler (what the target literally asks);
+- `global`: all 1000 engines behind one RequestLedger (what the target literally asks);
 - `cell16` / `cell4`: one sampled cell of 16 or 4 engines (pdserve.sim.cells), whose result
   stands for the whole deployment: a day of the target needs one cell-day of 1/cells traffic.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdserve.scheduler.routing import SloTargets  # noqa: E402
+from pdserve.slo import SloTargets  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile, h200_kv_blocks  # noqa: E402
 from pdserve.sim.results import LatencyRecorder  # noqa: E402
 from pdserve.sim.runner import SimConfig, Simulation, Topology  # noqa: E402
@@ -46,7 +46,7 @@ def measure(engines: int, seconds: float, profile: EngineProfile) -> dict:
     rate = 10.0 * engines
     count = int(rate * seconds)
     wl = at_rate("chat", count, rate, seed=0)
-    sim = Simulation(SimConfig(profile, Topology.colocated(engines), SloTargets(0.5, 0.05),
+    sim = Simulation(SimConfig(profile, Topology.colocated(engines), SloTargets.from_s(0.5, 0.05),
                                record_itls=False, keep_requests=False))
     sim.on_request_done = LatencyRecorder(count, profile.response_of)
     started = time.process_time()
@@ -69,7 +69,6 @@ def measure(engines: int, seconds: float, profile: EngineProfile) -> dict:
 def measure_fluid(name: str, seconds: float, profile: EngineProfile, flat_day: bool) -> dict:
     """1000 engines at the target density, fluid mode; `fluid-day` autoscales over a day."""
     from pdserve.autoscaler.policy import PoolBounds
-    from pdserve.bench.metrics import SLOTargets
     from pdserve.sim.arrivals import CurveArrivals, flat
     from pdserve.sim.fluid import FluidConfig, FluidSimulation
     from pdserve.sim.workload import diurnal
@@ -81,8 +80,8 @@ def measure_fluid(name: str, seconds: float, profile: EngineProfile, flat_day: b
         curve = flat(10_000.0, seconds)
         topology = Topology.colocated(TARGET_GPUS)
     fluid = FluidConfig(step_s=1.0, max_groups=4, cohort_per_engine=4.0, resolve_every_s=5.0)
-    sim = FluidSimulation(SimConfig(profile, topology, SloTargets(0.3, 0.03)), fluid,
-                          SLOTargets(ttft_ms=300, tpot_ms=30))
+    sim = FluidSimulation(SimConfig(profile, topology, SloTargets.from_s(0.3, 0.03)), fluid,
+                          SloTargets(ttft_ms=300, tpot_ms=30))
     started = time.process_time()
     wall = time.perf_counter()
     run = sim.run(CurveArrivals(curve, "chat", seed=0))

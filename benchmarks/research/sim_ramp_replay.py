@@ -34,7 +34,7 @@ import numpy as np
 from pdserve.autoscaler.controller import scaling_policy_from_config
 from pdserve.autoscaler.policy import PoolBounds
 from pdserve.config.schema import AutoscaleConfig
-from pdserve.scheduler.routing import SloTargets
+from pdserve.slo import SloTargets
 from pdserve.sim.engine_profile import EngineProfile
 from pdserve.sim.runner import SimConfig, Topology, simulate
 from pdserve.sim.workload import Workload
@@ -93,7 +93,7 @@ def replay(run: dict, summary: dict, profile: EngineProfile) -> dict:
                         name="gpu ramp arrivals")
     auto = AutoscaleConfig(**{k.split(".", 1)[1]: float(v) if "." in v else int(v)
                               for k, v in settings.items() if k.startswith("autoscale.")})
-    slo = SloTargets(summary["slo"]["ttft_s"], summary["slo"]["tpot_s"])
+    slo = SloTargets.from_s(summary["slo"]["ttft_s"], summary["slo"]["tpot_s"])
     topology = Topology.disaggregated(
         1, 1, PoolBounds(1, int(settings["max-prefill"])), PoolBounds(1, int(settings["max-decode"])))
     config = SimConfig(profile, topology, slo, scaling=scaling_policy_from_config(auto),

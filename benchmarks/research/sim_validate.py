@@ -47,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pdserve.bench.metrics import SLOTargets  # noqa: E402
+from pdserve.slo import SloTargets  # noqa: E402
 from pdserve.bench.report import result_json  # noqa: E402
 from pdserve.sim.calibration.trace_reader import read_steps  # noqa: E402
 from pdserve.sim.engine_profile import EngineProfile, h200_kv_blocks  # noqa: E402
@@ -76,7 +76,7 @@ def cpu(args: argparse.Namespace) -> list[dict]:
     rows, pools = [], {}
     for path in args.measured:
         measured = json.loads(Path(path).read_text())
-        slo = SLOTargets(**{f"{k}_ms": v for k, v in (measured.get("goodput_slos") or {}).items()})
+        slo = SloTargets(**{f"{k}_ms": v for k, v in (measured.get("goodput_slos") or {}).items()})
         seeds = range(args.noise_seeds) if args.noise_seeds else [None]
         results = [bench_result(simulate(SimConfig(profile, topology(args.arm), step_noise=seed,
                                                    shared_host=args.shared_host),

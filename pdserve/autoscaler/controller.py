@@ -23,18 +23,19 @@ from pdserve.autoscaler.policy import (
 )
 from pdserve.scheduler.ledger import RequestLedger
 from pdserve.scheduler.types import PoolSignals
+from pdserve.slo import SloTargets
 
 
 class Autoscaler:
-    def __init__(self, bounds: Mapping[str, PoolBounds], ttft_target_s: float,
-                 tpot_target_s: float, policy: ScalingPolicy = ScalingPolicy(),
+    def __init__(self, bounds: Mapping[str, PoolBounds], slo: SloTargets,
+                 policy: ScalingPolicy = ScalingPolicy(),
                  history: int = 10_000, max_gpus: int | None = None,
                  gpus_per_engine: Mapping[str, int] | None = None) -> None:
         self.bounds = dict(bounds)
         self.max_gpus = max_gpus
         self.gpus_per_engine = {pool: 1 for pool in self.bounds} | dict(gpus_per_engine or {})
-        self.ttft_target_s = ttft_target_s
-        self.tpot_target_s = tpot_target_s
+        self.ttft_target_s = slo.ttft_s
+        self.tpot_target_s = slo.tpot_s
         self.policy = policy
         self._states = {pool: ScalingState() for pool in self.bounds}
         self.history: deque[tuple[float, ScalingDecision]] = deque(maxlen=history)

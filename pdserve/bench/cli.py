@@ -37,7 +37,7 @@ from typing import Any
 from pdserve.bench import cli_args
 from pdserve.bench.arrivals import ArrivalSpec
 from pdserve.bench.client import EndpointConfig, fetch_first_model
-from pdserve.bench.metrics import SLOTargets
+from pdserve.slo import SloTargets
 from pdserve.bench.report import (
     default_result_filename,
     format_summary,
@@ -198,7 +198,7 @@ def _run_config(
         seed=args.seed,
         arrival_seed=args.arrival_seed,
         percentiles=tuple(args.metric_percentiles),
-        slo=SLOTargets.parse(args.goodput or []),
+        slo=SloTargets.parse(args.goodput or []),
         disable_tqdm=args.disable_tqdm,
         label=label,
         dataset_name=args.dataset_name,
@@ -403,7 +403,7 @@ def _tune_settings(args: argparse.Namespace) -> dict[str, Any]:
              "extra_body", "target_attainment", "search_start_rate", "search_max_rate", "search_growth",
              "search_tolerance", "search_max_probes", "num_cpus_per_engine", "gpus_per_engine")
     settings = {name: getattr(args, name) for name in names}
-    settings["goodput"] = SLOTargets.parse(args.goodput).as_dict()
+    settings["goodput"] = SloTargets.parse(args.goodput).as_dict()
     settings["serve_args"] = _passthrough_serve_args(args)
     return json_safe(settings)  # as save_json writes it, so a resumed record compares equal
 

@@ -14,7 +14,8 @@ import math
 import shlex
 from typing import Any
 
-from pdserve.bench.metrics import LATENCY_METRICS, SLOTargets
+from pdserve.bench.metrics import LATENCY_METRICS
+from pdserve.slo import SloTargets
 from pdserve.bench.sweep import NamedTarget
 from pdserve.bench.tune import Deployment, deployments_for_budget
 from pdserve.bench.workloads import SHAPES, PromptFormat
@@ -412,7 +413,7 @@ def base_url(args: argparse.Namespace) -> str:
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Cross-flag checks; each failure is a `parser.error` naming the flags involved."""
     try:
-        SLOTargets.parse(args.goodput or [])
+        SloTargets.parse(args.goodput or [])
     except ValueError as exc:
         parser.error(f"--goodput: {exc}")
     if args.dataset_name == "mooncake" and not args.dataset_path:

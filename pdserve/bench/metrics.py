@@ -29,56 +29,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.bench.client import RequestOutcome
+from pdserve.slo import SLO_NAMES, SloTargets
 
-SLO_NAMES = ("ttft", "tpot", "e2el")
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 def percentile_label(p: float) -> str:
     """vllm's spelling of a percentile in result keys: 99 -> "99", 99.9 -> "99.9"."""
     return str(int(p)) if int(p) == p else str(p)
-
-
-@dataclass(frozen=True, slots=True)
-class SLOTargets:
-    """Latency targets in milliseconds; None means no target on that metric."""
-
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2el_ms: float | None = None
-
-    def __post_init__(self) -> None:
-        for name, value in self.items():
-            if value < 0:
-                raise ValueError(f"SLO {name} must be non-negative, got {value}")
-
-    @classmethod
-    def parse(cls, pairs: Sequence[str]) -> SLOTargets:
-        """Parse vllm's `--goodput` values: "KEY:VALUE" pairs, keys ttft/tpot/e2el, values in ms."""
-        targets: dict[str, float] = {}
-        for pair in pairs:
-            name, sep, value = pair.partition(":")
-            if not sep or name not in SLO_NAMES:
-                raise ValueError(
-                    f"invalid SLO {pair!r}: use KEY:VALUE with KEY one of {', '.join(SLO_NAMES)} "
-                    "and VALUE in milliseconds"
-                )
-            try:
-                targets[name] = float(value)
-            except ValueError:
-                raise ValueError(f"invalid SLO {pair!r}: {value!r} is not a number of milliseconds") from None
-        return cls(**{f"{name}_ms": value for name, value in targets.items()})
-
-    def items(self) -> list[tuple[str, float]]:
-        """(metric name, target ms) for the targets that are set, in ttft/tpot/e2el order."""
-        values = (self.ttft_ms, self.tpot_ms, self.e2el_ms)
-        return [(name, value) for name, value in zip(SLO_NAMES, values, strict=True) if value is not None]
-
-    def as_dict(self) -> dict[str, float]:
-        return dict(self.items())
-
-    def __bool__(self) -> bool:
-        return bool(self.items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +127,7 @@ def request_tpot_s(outcome: RequestOutcome, output_len: int) -> float | None:
     return (outcome.e2el_s - outcome.ttft_s) / (output_len - 1)
 
 
-def meets_slo(outcome: RequestOutcome, output_len: int, slo: SLOTargets) -> dict[str, bool]:
+def meets_slo(outcome: RequestOutcome, output_len: int, slo: SloTargets) -> dict[str, bool]:
     """Per target: does this request meet it? Failed requests meet nothing."""
     if not outcome.success:
         return {name: False for name, _ in slo.items()}
@@ -186,13 +144,13 @@ def compute_metrics(
     outcomes: Sequence[RequestOutcome],
     duration_s: float,
     percentiles: Sequence[float] = (99.0,),
-    slo: SLOTargets | None = None,
+    slo: SloTargets | None = None,
     count_tokens: Callable[[str], int] | None = None,
 ) -> BenchmarkMetrics:
     """All run metrics from per-request outcomes and the run's duration (see the module docstring)."""
     if duration_s <= 0:
         raise ValueError(f"benchmark duration must be positive, got {duration_s}")
-    slo = slo or SLOTargets()
+    slo = slo or SloTargets()
     output_lens = [output_length(o, count_tokens) if o.success else 0 for o in outcomes]
     done = [(o, n) for o, n in zip(outcomes, output_lens, strict=True) if o.success]
     tpots = [t for o, n in done if (t := request_tpot_s(o, n)) is not None]
@@ -225,7 +183,7 @@ def compute_metrics(
 
 
 def _verdicts(outcomes: Sequence[RequestOutcome], output_lens: Sequence[int],
-              slo: SLOTargets) -> dict[str, np.ndarray]:
+              slo: SloTargets) -> dict[str, np.ndarray]:
     """`meets_slo` for every request at once, as one boolean array per target (same rules:
     failed requests meet nothing, a one-token request's TPOT counts as 0)."""
     if not slo:

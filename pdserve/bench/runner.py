@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 
 from pdserve.bench.arrivals import ArrivalSpec, schedule
 from pdserve.bench.client import EndpointConfig, OpenAIStreamClient, RequestOutcome
-from pdserve.bench.metrics import BenchmarkMetrics, SLOTargets, compute_metrics
+from pdserve.bench.metrics import BenchmarkMetrics, compute_metrics
+from pdserve.slo import SloTargets
 from pdserve.bench.workloads import BenchRequest
 from pdserve.errors import PdserveError
 
@@ -48,7 +49,7 @@ class RunConfig:
     # The arrival schedule's seed where it differs from the prompts' (`--arrival-seed`).
     arrival_seed: int | None = None
     percentiles: tuple[float, ...] = (90.0, 99.0)
-    slo: SLOTargets = field(default_factory=SLOTargets)
+    slo: SloTargets = field(default_factory=SloTargets)
     disable_tqdm: bool = False
     label: str | None = None
     dataset_name: str = "random"

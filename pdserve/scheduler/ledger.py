@@ -45,7 +45,8 @@ from pdserve.scheduler.routing import (
     Placement, Rejection, RouteRequest, RoutingPolicy, place, place_colocated,
 )
 from pdserve.scheduler.slo import SloTracker
-from pdserve.scheduler.types import COLOCATED, DECODE, PREFILL, PoolSignals, SloTargets
+from pdserve.scheduler.types import COLOCATED, DECODE, PREFILL, PoolSignals
+from pdserve.slo import SloTargets
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.scheduler.perf_model import PerfModel
-from pdserve.scheduler.types import SloTargets
+from pdserve.slo import SloTargets
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,29 +1,10 @@
-"""Values the scheduler shares with its callers: pool names, latency targets, pool signals."""
+"""Values the scheduler shares with its callers: pool names, pool signals."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 PREFILL, DECODE, COLOCATED = "prefill", "decode", "colocated"
-
-
-@dataclass(frozen=True, slots=True)
-class SloTargets:
-    """A deployment's per-request latency targets, in seconds; `percentile` is the share of
-    requests they hold for (what the autoscaler holds them at). The one form of targets inside
-    pdserve: the config states them in milliseconds (`slo.ttft_ms`), `from_config` converts."""
-
-    ttft_s: float
-    tpot_s: float
-    percentile: float = 90.0
-
-    @classmethod
-    def from_config(cls, slo: Any) -> SloTargets | None:
-        """From the config's `slo` section; None unless both targets are set."""
-        if slo.ttft_ms is None or slo.tpot_ms is None:
-            return None
-        return cls(slo.ttft_ms / 1000, slo.tpot_ms / 1000, slo.percentile)
 
 
 @dataclass(frozen=True, slots=True)

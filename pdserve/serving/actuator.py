@@ -24,6 +24,7 @@ from pdserve.engine.types import EngineInfo
 from pdserve.models.embedded import ResolvedModel
 from pdserve.scheduler.ledger import RequestLedger
 from pdserve.serving.metrics import ServingMetrics
+from pdserve.slo import SloTargets
 from pdserve.serving.replicas import (
     EnginePool, Replica, actor_options, create_replica, kill_all, request_resources, start_all,
 )
@@ -46,13 +47,11 @@ class PoolActuator:
         self._tasks: set[asyncio.Task[None]] = set()
         self.autoscaler: Autoscaler | None = None
         if config.autoscale.enabled:
-            slo = config.slo
             self.autoscaler = Autoscaler(
                 {role.value: PoolBounds(config.autoscale.bounds(role).min_replicas,
                                         config.autoscale.bounds(role).max_replicas)
                  for role in pools},
-                slo.ttft_ms / 1000, slo.tpot_ms / 1000,
-                scaling_policy_from_config(config.autoscale),
+                SloTargets.from_config(config.slo), scaling_policy_from_config(config.autoscale),
                 max_gpus=config.autoscale.max_gpus,
                 # Budget units: each engine's GPUs, or one per engine on CPU.
                 gpus_per_engine={role.value: max(1, int(actor_options(config, role, "")["num_gpus"]))

@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.autoscaler.policy import PoolBounds, ScalingPolicy
-from pdserve.bench.metrics import SLOTargets
 from pdserve.bench.report import save_json
-from pdserve.scheduler.routing import SloTargets
+from pdserve.slo import SloTargets
 from pdserve.sim import profile as profile_cmd
 from pdserve.sim.arrivals import CurveArrivals, WorkloadArrivals
 from pdserve.sim.cells import scale_totals, split
@@ -210,14 +209,14 @@ def build_topology(args: argparse.Namespace) -> Topology:
     return Topology.disaggregated(prefill, decode, pb, db)
 
 
-def _slos(args: argparse.Namespace) -> tuple[SloTargets | None, SLOTargets]:
+def _slos(args: argparse.Namespace) -> tuple[SloTargets | None, SloTargets]:
     slo = None
     if args.ttft_ms and args.tpot_ms:
-        slo = SloTargets(args.ttft_ms / 1000, args.tpot_ms / 1000, args.slo_percentile)
+        slo = SloTargets(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, percentile=args.slo_percentile)
     if args.goodput:
-        goodput = SLOTargets.parse(args.goodput)
+        goodput = SloTargets.parse(args.goodput)
     else:
-        goodput = SLOTargets(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms)
+        goodput = SloTargets(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms)
     return slo, goodput
 
 

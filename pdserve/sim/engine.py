@@ -84,7 +84,7 @@ class SimRequest:
     """A request's simulated state and timeline (virtual seconds)."""
 
     __slots__ = ("index", "arrival", "prompt", "output", "prefill_left", "blocks", "blocks_on",
-                 "leg", "ttft_pool", "decode_pool", "prefill_engine", "decode_engine", "ticket",
+                 "leg", "ttft_pool", "decode_pool", "prefill_engine", "decode_engine", "admission",
                  "first_token", "decode_start", "join_step", "finish", "step_engine", "error",
                  "ctx_join", "pblocks", "pblocks_on", "entered", "prefill_start")
 
@@ -101,7 +101,7 @@ class SimRequest:
         self.leg = "full"  # "full" (prefill + decode here), "prefill", "decode"
         self.ttft_pool = self.decode_pool = ""
         self.prefill_engine = self.decode_engine = None
-        self.ticket = None  # the scheduler's PrefillTicket
+        self.admission = None  # the request ledger's Admission
         self.first_token = -1.0  # engine time of the first token
         self.decode_start = 0.0
         self.join_step = 0

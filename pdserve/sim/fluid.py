@@ -34,7 +34,7 @@ by batch; latencies go into histograms. Lifecycle of `FluidSimulation.run(arriva
 At small scale (engines <= max_groups, sparse arrivals) every group is one engine and every
 cohort one request: it routes request by request like the per-request simulator, and differs
 only in the engine model (a pooled FIFO prefill queue, batches updated once per step).
-`benchmarks/sim_speed.py --compare` measures the agreement.
+`benchmarks/sim_fluid_agreement.py` measures the agreement.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.autoscaler.policy import ScalingDecision
-from pdserve.bench.metrics import SLOTargets
+from pdserve.slo import SloTargets
 from pdserve.scheduler.ledger import RequestLedger
 from pdserve.scheduler.routing import Rejection
 from pdserve.scheduler.types import COLOCATED, DECODE, PREFILL
@@ -136,7 +136,7 @@ def _buckets(prompts: np.ndarray, outputs: np.ndarray) -> np.ndarray:
 
 class FluidSimulation:
     def __init__(self, config: SimConfig, fluid: FluidConfig = FluidConfig(),
-                 goodput: SLOTargets | None = None) -> None:
+                 goodput: SloTargets | None = None) -> None:
         self.config = config
         self.fluid = fluid
         perf = config.profile.perf

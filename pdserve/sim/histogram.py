@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.bench.metrics import LatencyStats, SLOTargets, percentile_label
+from pdserve.bench.metrics import LatencyStats, percentile_label
+from pdserve.slo import SloTargets
 
 _LOW_S = 1e-6  # shortest latency binned (1 us); anything shorter lands in the first bin
 _DECADES = 10  # up to 1e4 s
@@ -79,8 +80,8 @@ class LatencyHistogram:
 class OutcomeTally:
     """Finished and failed requests of a run, as counts; summarised under the harness's keys."""
 
-    def __init__(self, slo: SLOTargets | None = None) -> None:
-        self.slo = slo or SLOTargets()
+    def __init__(self, slo: SloTargets | None = None) -> None:
+        self.slo = slo or SloTargets()
         self.ttft = LatencyHistogram()
         self.tpot = LatencyHistogram()
         self.e2el = LatencyHistogram()

@@ -22,7 +22,8 @@ import numpy as np
 
 from pdserve.bench.arrivals import ArrivalSpec
 from pdserve.bench.client import EndpointConfig, RequestOutcome
-from pdserve.bench.metrics import LatencyStats, SLOTargets, compute_metrics, percentile_label
+from pdserve.bench.metrics import LatencyStats, compute_metrics, percentile_label
+from pdserve.slo import SloTargets
 from pdserve.bench.report import result_json
 from pdserve.bench.runner import BenchmarkResult, RunConfig
 from pdserve.bench.workloads import BenchRequest
@@ -50,7 +51,7 @@ def request_outcome(req: SimRequest, response: Callable[[int], float]) -> Reques
         prompt_tokens=req.prompt, chunk_count=req.output)
 
 
-def bench_result(run: SimRun, slo: SLOTargets | None = None,
+def bench_result(run: SimRun, slo: SloTargets | None = None,
                  percentiles: Sequence[float] = (50.0, 90.0, 99.0), label: str = "sim",
                  dataset_name: str = "sim", request_rate: float = math.inf,
                  burstiness: float = 1.0) -> BenchmarkResult:
@@ -58,7 +59,7 @@ def bench_result(run: SimRun, slo: SLOTargets | None = None,
     outcomes = [request_outcome(r, run.config.profile.response_of) for r in run.requests]
     duration = max(run.end_s - (float(run.workload.arrivals[0]) if len(run.workload) else 0.0),
                    1e-9)
-    slo = slo or SLOTargets()
+    slo = slo or SloTargets()
     metrics = compute_metrics(outcomes, duration, tuple(percentiles), slo)
     config = RunConfig(
         endpoint=EndpointConfig(base_url=f"sim://{run.config.topology.name}",
@@ -97,7 +98,7 @@ class LatencyRecorder:
         if req.output > 1:
             self.tpot[i] = (req.finish - req.first_token) / (req.output - 1)
 
-    def summary(self, duration_s: float, slo: SLOTargets | None,
+    def summary(self, duration_s: float, slo: SloTargets | None,
                 percentiles: Sequence[float]) -> dict[str, Any]:
         """The harness's keys for what a large run keeps (no ITLs, no per-request lists)."""
         ok = ~np.isnan(self.ttft)
@@ -167,7 +168,7 @@ def simulation_section(run: SimRun) -> dict[str, Any]:
     }
 
 
-def run_json(run: SimRun, slo: SLOTargets | None = None,
+def run_json(run: SimRun, slo: SloTargets | None = None,
              percentiles: Sequence[float] = (50.0, 90.0, 99.0), per_request: bool = False,
              recorder: LatencyRecorder | None = None, **labels: Any) -> dict[str, Any]:
     """Harness-keyed JSON of a run plus its `simulation` section."""

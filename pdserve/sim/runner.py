@@ -31,7 +31,8 @@ from pdserve.autoscaler.policy import PoolBounds, ScalingDecision, ScalingPolicy
 from pdserve.engine.types import Leg
 from pdserve.scheduler.ledger import LedgerEvent, RequestLedger
 from pdserve.scheduler.routing import Rejection, RoutingPolicy
-from pdserve.scheduler.types import COLOCATED, DECODE, PREFILL, SloTargets
+from pdserve.scheduler.types import COLOCATED, DECODE, PREFILL
+from pdserve.slo import SloTargets
 from pdserve.sim.baselines import TtftOnlyAutoscaler
 from pdserve.sim.engine import SimEngine, SimRequest
 from pdserve.sim.engine_profile import EngineProfile
@@ -342,7 +343,7 @@ def build_autoscaler(config: SimConfig) -> Autoscaler | TtftOnlyAutoscaler | Non
         raise ValueError("an autoscaled topology needs SLO targets")
     if config.autoscaler == "ttft_only":
         return TtftOnlyAutoscaler(config.topology.bounds, config.slo.ttft_s)
-    return Autoscaler(config.topology.bounds, config.slo.ttft_s, config.slo.tpot_s, config.scaling,
+    return Autoscaler(config.topology.bounds, config.slo, config.scaling,
                       max_gpus=config.max_gpus,
                       gpus_per_engine={pool: config.profile.gpus for pool in config.topology.bounds})
 

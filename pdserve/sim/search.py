@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from pdserve.autoscaler.policy import PoolBounds
-from pdserve.bench.metrics import SLOTargets
+from pdserve.slo import SloTargets
 from pdserve.sim.results import LatencyRecorder
 from pdserve.sim.runner import SimConfig, Simulation, Topology
 from pdserve.sim.workload import Workload
@@ -46,7 +46,7 @@ class Trial:
                 "p90_tpot_ms": self.p90_tpot_ms}
 
 
-def evaluate(config: SimConfig, workload: Workload, goodput: SLOTargets) -> Trial:
+def evaluate(config: SimConfig, workload: Workload, goodput: SloTargets) -> Trial:
     """Simulate one candidate and score it with the harness's attainment rule."""
     sim = Simulation(replace(config, record_itls=False, keep_requests=False))
     recorder = LatencyRecorder(len(workload), config.profile.response_of)
@@ -68,7 +68,7 @@ def candidates(engines: int, colocated: bool = True, disaggregated: bool = True
             yield Topology.disaggregated(prefill, engines - prefill)
 
 
-def search_static(base: SimConfig, workload: Workload, goodput: SLOTargets, goal: float,
+def search_static(base: SimConfig, workload: Workload, goodput: SloTargets, goal: float,
                   max_engines: int, colocated: bool = True, disaggregated: bool = True,
                   log: Callable[[Trial], None] | None = None) -> tuple[Trial | None, list[Trial]]:
     """The cheapest static topology reaching `goal` attainment, and every trial run."""
@@ -87,7 +87,7 @@ def search_static(base: SimConfig, workload: Workload, goodput: SLOTargets, goal
     return None, trials
 
 
-def search_autoscaled(base: SimConfig, workload: Workload, goodput: SLOTargets, goal: float,
+def search_autoscaled(base: SimConfig, workload: Workload, goodput: SloTargets, goal: float,
                       static: Trial, utilizations: Iterable[float] = (0.6, 0.7, 0.8),
                       log: Callable[[Trial], None] | None = None
                       ) -> tuple[Trial | None, list[Trial]]:

@@ -22,8 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.autoscaler.policy import PoolBounds, ScalingPolicy
-from pdserve.bench.metrics import SLOTargets
-from pdserve.scheduler.routing import SloTargets
+from pdserve.slo import SloTargets
 from pdserve.sim.cells import scale_totals
 from pdserve.sim.engine_profile import EngineProfile, h200_kv_blocks
 from pdserve.sim.results import LatencyRecorder, run_json
@@ -31,8 +30,8 @@ from pdserve.sim.runner import SimConfig, Simulation, Topology
 from pdserve.sim.workload import RateCurve, Workload, bursty, diurnal, from_curve
 
 SHAPE = "summarization"
-SLO = SloTargets(ttft_s=1.5, tpot_s=0.03)
-GOODPUT = SLOTargets(ttft_ms=1500, tpot_ms=30)
+SLO = SloTargets.from_s(1.5, 0.03)
+GOODPUT = SloTargets(ttft_ms=1500, tpot_ms=30)
 ARMS = {  # name: (initial engines per cell, bounds per cell or None, autoscaler, policy changes)
     "static-peak": (7, None, None, {}),
     "static-base": (4, None, None, {}),

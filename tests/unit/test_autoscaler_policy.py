@@ -8,7 +8,7 @@ from pdserve.autoscaler.policy import (
     PoolBounds, PoolSignals, ScalingPolicy, ScalingState, decide,
 )
 from pdserve.scheduler.perf_model import PerfModel
-from pdserve.scheduler.types import SloTargets
+from pdserve.slo import SloTargets
 from tests.unit.scripted_ledger import Script
 from pdserve.scheduler.ledger import RequestLedger
 
@@ -116,7 +116,7 @@ MODEL = PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01, decode_step_per
 
 
 def scheduler() -> RequestLedger:
-    sched = RequestLedger(["prefill", "decode"], MODEL, SloTargets(TTFT, TPOT), window_s=30,
+    sched = RequestLedger(["prefill", "decode"], MODEL, SloTargets.from_s(TTFT, TPOT), window_s=30,
                           prefix_aware=False)
     for pool in ("prefill", "decode"):
         sched.engines.add(pool, f"{pool}-0", 16, 10_000)
@@ -125,7 +125,7 @@ def scheduler() -> RequestLedger:
 
 def test_a_ttft_breach_grows_prefill_only():
     sched = scheduler()
-    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY)
+    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, SloTargets.from_s(TTFT, TPOT), POLICY)
     for t in range(20):  # slow first tokens, fast decode
         Script(sched).finished(float(t), 2.0, 0.02)
     first = {d.pool: d for d in scaler.evaluate(sched, now=20.0)}
@@ -137,7 +137,7 @@ def test_a_ttft_breach_grows_prefill_only():
 
 def test_a_tpot_breach_grows_decode_only():
     sched = scheduler()
-    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY)
+    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, SloTargets.from_s(TTFT, TPOT), POLICY)
     for t in range(20):
         Script(sched).finished(float(t), 0.1, 0.2)
     scaler.evaluate(sched, now=20.0)
@@ -152,7 +152,7 @@ def test_prefill_load_from_arrivals_grows_prefill_before_latency_breaks():
         Script(sched).prefill("prefill-0", 3000, float(t), t + 0.2)
     signals = sched.signals("prefill", now=30.0)
     assert signals.prefill_utilization == pytest.approx(3.0)
-    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY)
+    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, SloTargets.from_s(TTFT, TPOT), POLICY)
     scaler.evaluate(sched, now=30.0)
     up = {d.pool: d for d in scaler.evaluate(sched, now=35.0)}["prefill"]
     # 3 engines' worth of load at 80% each: 4 engines (the max).
@@ -181,7 +181,7 @@ def breach_both(sched, t0: float) -> None:
 
 def test_a_gpu_budget_grants_what_fits_and_the_other_pool_waits_without_a_cooldown():
     sched = scheduler()
-    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY, max_gpus=3)
+    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, SloTargets.from_s(TTFT, TPOT), POLICY, max_gpus=3)
     breach_both(sched, 0.0)
     scaler.evaluate(sched, now=20.0)
     decisions = {d.pool: d for d in scaler.evaluate(sched, now=25.0)}
@@ -208,7 +208,7 @@ def test_a_gpu_budget_counts_each_engines_gpus_and_serves_latency_breaches_first
     for t in range(20):  # ...and a measured TPOT breach on decode
         Script(sched).finished(float(t), 0.1, 0.2)
     # decode engines are TP2: 1 + 2 GPUs held, budget 5: the decode breach takes the 2 left.
-    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY, max_gpus=5,
+    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, SloTargets.from_s(TTFT, TPOT), POLICY, max_gpus=5,
                         gpus_per_engine={"decode": 2})
     scaler.evaluate(sched, now=30.0)
     decisions = {d.pool: d for d in scaler.evaluate(sched, now=35.0)}
@@ -218,7 +218,7 @@ def test_a_gpu_budget_counts_each_engines_gpus_and_serves_latency_breaches_first
 
 def test_without_a_budget_both_pools_scale():
     sched = scheduler()
-    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, TTFT, TPOT, POLICY)
+    scaler = Autoscaler({"prefill": BOUNDS, "decode": BOUNDS}, SloTargets.from_s(TTFT, TPOT), POLICY)
     breach_both(sched, 0.0)
     scaler.evaluate(sched, now=20.0)
     assert {d.direction for d in scaler.evaluate(sched, now=25.0)} == {"up"}
@@ -239,7 +239,7 @@ def three_prefill_one_decode(prompt_tokens_per_s: float, ttft_s: float, prefill_
 def test_a_pool_breaching_at_the_budget_takes_a_gpu_from_a_pool_that_can_spare_one():
     # 1200 prompt tokens/s over 3 engines of 1000 tok/s: ~0.4 each, ~0.6 with two (< 0.8).
     sched = three_prefill_one_decode(1200, ttft_s=0.1)
-    scaler = Autoscaler({"prefill": PoolBounds(1, 3), "decode": PoolBounds(1, 3)}, TTFT, TPOT, POLICY,
+    scaler = Autoscaler({"prefill": PoolBounds(1, 3), "decode": PoolBounds(1, 3)}, SloTargets.from_s(TTFT, TPOT), POLICY,
                         max_gpus=4)
     scaler.evaluate(sched, now=30.0)
     decisions = {d.pool: d for d in scaler.evaluate(sched, now=30.5)}
@@ -265,7 +265,7 @@ def test_a_pool_breaching_at_the_budget_takes_a_gpu_from_a_pool_that_can_spare_o
 ])
 def test_no_gpu_moves_from_a_pool_that_cannot_spare_it(prompt_tokens_per_s, ttft_s, prefill_s):
     sched = three_prefill_one_decode(prompt_tokens_per_s, ttft_s, prefill_s)
-    scaler = Autoscaler({"prefill": PoolBounds(1, 3), "decode": PoolBounds(1, 3)}, TTFT, TPOT, POLICY,
+    scaler = Autoscaler({"prefill": PoolBounds(1, 3), "decode": PoolBounds(1, 3)}, SloTargets.from_s(TTFT, TPOT), POLICY,
                         max_gpus=4)
     for now in (30.0, 30.5, 31.0):
         decisions = {d.pool: d for d in scaler.evaluate(sched, now=now)}

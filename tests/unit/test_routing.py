@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 # 1 KB per token (1 us per token), no fixed costs: easy numbers to check by hand.
 MODEL = PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.010, decode_step_per_seq_s=0.001,
                   kv_bytes_per_token=1000, transfer_bytes_per_s=1e9)
-SLO = SloTargets(ttft_s=1.0, tpot_s=0.020)
+SLO = SloTargets.from_s(1.0, 0.020)
 
 
 def test_prefill_goes_to_the_engine_with_the_lowest_predicted_ttft():
@@ -95,7 +95,7 @@ def test_local_prefill_is_not_chosen_when_remote_predicts_a_lower_ttft():
 
 def test_admission_refuses_when_the_ttft_slo_cannot_be_met():
     prefill = [EngineLoad("p0", queued_prefill_tokens=10_000)]
-    slo = SloTargets(ttft_s=1.0, tpot_s=0.05)
+    slo = SloTargets.from_s(1.0, 0.05)
     refused = place(RouteRequest(1000, 10), prefill, [EngineLoad("d0")], MODEL, MODEL, slo,
                     RoutingPolicy(admit_ttft_factor=4.0))
     assert isinstance(refused, Rejection) and refused.reason == "ttft_slo"
@@ -110,7 +110,7 @@ def test_admission_never_refuses_a_request_that_would_start_at_once():
     # A model that says a lone 1000-token prefill takes 100 s (10 tok/s): 25x the allowed 4 s.
     slow = PerfModel(prefill_tokens_per_s=10, decode_step_s=0.010, decode_step_per_seq_s=0.001,
                      kv_bytes_per_token=1000, transfer_bytes_per_s=1e9)
-    slo = SloTargets(ttft_s=1.0, tpot_s=0.05)
+    slo = SloTargets.from_s(1.0, 0.05)
     idle = place(RouteRequest(1000, 10), [EngineLoad("p0")], [EngineLoad("d0")], slow, slow, slo)
     assert isinstance(idle, Placement) and idle.predicted_ttft_s == pytest.approx(100.0)
     alone = place_colocated(RouteRequest(1000, 10), [EngineLoad("c0")], slow, slo)

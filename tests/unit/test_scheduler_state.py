@@ -12,7 +12,7 @@ from pdserve.engine.types import Leg
 from pdserve.scheduler.ledger import RequestLedger
 from pdserve.scheduler.registry import BusyLog
 from pdserve.scheduler.routing import Placement
-from pdserve.scheduler.types import SloTargets
+from pdserve.slo import SloTargets
 from tests.unit.scripted_ledger import Script
 from pdserve.scheduler.slo import SloTracker, percentile_of
 
@@ -97,7 +97,7 @@ def test_prefix_index_matches_leading_blocks_and_evicts_lru():
 def test_ledger_books_drive_routing_and_drains():
     ledger = RequestLedger(["prefill", "decode"],
                            PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01),
-                           SloTargets(1.0, 0.05), prefix_block_size=16)
+                           SloTargets.from_s(1.0, 0.05), prefix_block_size=16)
     for pool in ("prefill", "decode"):
         for i in range(2):
             ledger.engines.add(pool, f"{pool}-{i}", 16, 1000)
@@ -135,7 +135,7 @@ def test_ledger_books_drive_routing_and_drains():
 
 def test_one_timer_for_the_slo_tracker_and_the_request_timing():
     ledger = RequestLedger(["colocated"], PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01),
-                           SloTargets(1.0, 0.05), prefix_aware=False)
+                           SloTargets.from_s(1.0, 0.05), prefix_aware=False)
     ledger.engines.add("colocated", "c0", 16, 1000)
     adm = ledger.admit("r", range(100), 5, now=10.0)
     ledger.leg_started(adm, Leg.FULL, 10.0)
@@ -156,7 +156,7 @@ def test_a_model_taught_by_a_burst_that_idle_engines_are_slow_is_corrected_after
     # service refused everything, on idle engines, until it was stopped.
     sched = RequestLedger(["prefill", "decode"],
                           PerfModel(prefill_tokens_per_s=40_000, decode_step_s=0.01),
-                          SloTargets(0.5, 0.02), prefix_aware=False)
+                          SloTargets.from_s(0.5, 0.02), prefix_aware=False)
     sched.engines.add("prefill", "p0", 16, 100_000)
     sched.engines.add("decode", "decode-0", 16, 100_000)
     script = Script(sched)
@@ -206,7 +206,7 @@ def test_cached_loads_and_models_route_exactly_as_uncached(pools):
 
     rng = random.Random(7)
     seed = PerfModel(prefill_tokens_per_s=5000, decode_step_s=0.01, decode_step_per_seq_s=0.001)
-    cached, uncached = (RequestLedger(list(pools), seed, SloTargets(0.5, 0.05),
+    cached, uncached = (RequestLedger(list(pools), seed, SloTargets.from_s(0.5, 0.05),
                                       prefix_block_size=16) for _ in range(2))
     ids = {pool: [f"{pool}-{i}" for i in range(4)] for pool in pools}
     for sched in (cached, uncached):
@@ -302,7 +302,7 @@ def test_busy_log_measures_the_share_of_the_window_with_a_prompt_in_prefill():
 
 def test_prefill_load_is_at_least_the_measured_busy_share_when_the_model_overstates_capacity():
     sched = RequestLedger(["prefill", "decode"], PerfModel(prefill_tokens_per_s=1e6, decode_step_s=0.01),
-                          SloTargets(0.5, 0.02), window_s=10.0, prefix_aware=False)
+                          SloTargets.from_s(0.5, 0.02), window_s=10.0, prefix_aware=False)
     for i in range(2):
         sched.engines.add("prefill", f"p{i}", 16, 1000)
     sched.engines.add("decode", "decode-0", 16, 1000)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from pdserve.bench.client import RequestOutcome
-from pdserve.bench.metrics import SLOTargets, compute_metrics
+from pdserve.bench.metrics import compute_metrics
+from pdserve.slo import SloTargets
 from pdserve.sim.runner import Topology
 from pdserve.sim.workload import Workload
 
@@ -72,7 +73,7 @@ def measured_outcomes(measured: dict) -> list[RequestOutcome]:
                 strict=True)]
 
 
-def pooled_metrics(outcomes: list[RequestOutcome], duration_s: float, slo: SLOTargets) -> dict:
+def pooled_metrics(outcomes: list[RequestOutcome], duration_s: float, slo: SloTargets) -> dict:
     """The harness's metrics over the requests of several runs of one rate: percentiles over all
     their requests; goodput and throughput over the sum of the runs' durations."""
     m = compute_metrics(outcomes, duration_s, (50.0, 90.0, 99.0), slo)

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from pdserve.bench.client import RequestOutcome
-from pdserve.bench.metrics import SLOTargets, compute_metrics, input_length, output_length
+from pdserve.bench.metrics import compute_metrics, input_length, output_length
+from pdserve.slo import SloTargets
 
 pytestmark = pytest.mark.unit
 
@@ -83,14 +84,14 @@ def test_itl_pools_every_gap_and_e2el_is_per_request() -> None:
 
 
 def test_goodput_counts_requests_meeting_every_target() -> None:
-    slo = SLOTargets(ttft_ms=150, tpot_ms=50)
+    slo = SloTargets(ttft_ms=150, tpot_ms=50)
     metrics = compute_metrics(TIMELINE, 2.0, slo=slo)
     # A meets both; B misses TTFT and TPOT; D meets TTFT and has TPOT 0; C failed.
     assert metrics.request_goodput == pytest.approx(2 / 2.0)
 
 
 def test_attainment_is_over_all_requests_and_failures_never_attain() -> None:
-    metrics = compute_metrics(TIMELINE, 1.0, slo=SLOTargets(ttft_ms=150, tpot_ms=150))
+    metrics = compute_metrics(TIMELINE, 1.0, slo=SloTargets(ttft_ms=150, tpot_ms=150))
     assert metrics.attainment is not None
     assert dict(metrics.attainment.per_slo) == pytest.approx({"ttft": 2 / 4, "tpot": 3 / 4})
     assert metrics.attainment.all == pytest.approx(2 / 4)
@@ -98,7 +99,7 @@ def test_attainment_is_over_all_requests_and_failures_never_attain() -> None:
 
 
 def test_meeting_a_target_exactly_counts_as_good() -> None:
-    metrics = compute_metrics(TIMELINE[:1], 1.0, slo=SLOTargets(ttft_ms=100))
+    metrics = compute_metrics(TIMELINE[:1], 1.0, slo=SloTargets(ttft_ms=100))
     assert metrics.request_goodput == pytest.approx(1.0)
 
 
@@ -108,7 +109,7 @@ def test_no_slo_means_no_attainment() -> None:
 
 def test_all_failed_gives_zeros_not_nan() -> None:
     failed = [RequestOutcome(success=False, prompt_len=5, error="boom")] * 3
-    metrics = compute_metrics(failed, 1.0, slo=SLOTargets(ttft_ms=1))
+    metrics = compute_metrics(failed, 1.0, slo=SloTargets(ttft_ms=1))
     assert (metrics.completed, metrics.failed, metrics.total_output) == (0, 3, 0)
     assert metrics.ttft.mean_ms == 0.0 and metrics.itl.percentile(99) == 0.0
     assert metrics.attainment is not None and metrics.attainment.all == 0.0
@@ -141,19 +142,19 @@ def test_peak_tokens_per_second_and_concurrency() -> None:
 @pytest.mark.parametrize(
     ("pairs", "expected"),
     [
-        (["ttft:200", "tpot:50"], SLOTargets(ttft_ms=200, tpot_ms=50)),
-        (["e2el:1000.5"], SLOTargets(e2el_ms=1000.5)),
-        ([], SLOTargets()),
+        (["ttft:200", "tpot:50"], SloTargets(ttft_ms=200, tpot_ms=50)),
+        (["e2el:1000.5"], SloTargets(e2el_ms=1000.5)),
+        ([], SloTargets()),
     ],
 )
-def test_parse_goodput_pairs(pairs: list[str], expected: SLOTargets) -> None:
-    assert SLOTargets.parse(pairs) == expected
+def test_parse_goodput_pairs(pairs: list[str], expected: SloTargets) -> None:
+    assert SloTargets.parse(pairs) == expected
 
 
 @pytest.mark.parametrize("bad", ["ttft", "latency:10", "ttft:fast", "tpot:-1"])
 def test_parse_goodput_rejects_malformed_pairs(bad: str) -> None:
     with pytest.raises(ValueError):
-        SLOTargets.parse([bad])
+        SloTargets.parse([bad])
 
 
 def test_duration_must_be_positive() -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.bench.arrivals import ArrivalSpec
 from pdserve.bench.client import EndpointConfig, OpenAIStreamClient, fetch_first_model
-from pdserve.bench.metrics import SLOTargets
+from pdserve.slo import SloTargets
 from pdserve.bench.plots import plot_latency_cdfs
 from pdserve.bench.report import (
     CSV_COLUMNS,
@@ -121,11 +121,11 @@ async def test_output_length_without_usage_uses_the_tokenizer_count(fake_server)
 
 
 async def test_goodput_and_attainment_against_generous_and_impossible_slos(fake_server) -> None:
-    generous = _config(fake_server.base_url, slo=SLOTargets(ttft_ms=5000, tpot_ms=5000))
+    generous = _config(fake_server.base_url, slo=SloTargets(ttft_ms=5000, tpot_ms=5000))
     result = await run_benchmark(generous, _requests(3, output_len=2))
     assert result.metrics.attainment.all == 1.0
     assert result.metrics.request_goodput == pytest.approx(result.metrics.request_throughput)
-    impossible = _config(fake_server.base_url, slo=SLOTargets(ttft_ms=1))  # the script sleeps 50 ms
+    impossible = _config(fake_server.base_url, slo=SloTargets(ttft_ms=1))  # the script sleeps 50 ms
     assert (await run_benchmark(impossible, _requests(3, output_len=2))).metrics.attainment.all == 0.0
 
 
@@ -154,7 +154,7 @@ async def test_client_must_be_entered() -> None:
 async def test_saved_json_csv_and_plot(fake_server, tmp_path: Path) -> None:
     config = _config(
         fake_server.base_url,
-        slo=SLOTargets(ttft_ms=5000, tpot_ms=5000),
+        slo=SloTargets(ttft_ms=5000, tpot_ms=5000),
         percentiles=(90.0, 99.0, 99.9),
         tokenizer_id="/models/tok",
         max_concurrency=2,

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.client import EndpointConfig, RequestOutcome
-from pdserve.bench.metrics import SLOTargets, compute_metrics
+from pdserve.bench.metrics import compute_metrics
+from pdserve.slo import SloTargets
 from pdserve.bench.plots import plot_attainment_vs_rate
 from pdserve.bench.runner import BenchmarkResult, RunConfig
 from pdserve.bench.sweep import (
@@ -85,7 +86,7 @@ def _result_with_attainment(share_good: float, rate: float, count: int = 20) -> 
         )
         for i in range(count)
     ]
-    config = RunConfig(endpoint=EndpointConfig(base_url="http://x", model="m"), slo=SLOTargets(ttft_ms=100))
+    config = RunConfig(endpoint=EndpointConfig(base_url="http://x", model="m"), slo=SloTargets(ttft_ms=100))
     metrics = compute_metrics(outcomes, count / rate, slo=config.slo)
     return BenchmarkResult(
         config=config.at_rate(rate),

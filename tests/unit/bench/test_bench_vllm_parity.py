@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from pdserve.bench.client import RequestOutcome
-from pdserve.bench.metrics import SLOTargets, compute_metrics, input_length
+from pdserve.bench.metrics import compute_metrics, input_length
+from pdserve.slo import SloTargets
 
 pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
@@ -62,7 +63,7 @@ def _vllm_outputs(outcomes: list[RequestOutcome]) -> list:
 def test_metrics_equal_vllm_calculate_metrics(seed: int) -> None:
     serve = pytest.importorskip("vllm.benchmarks.serve")
     outcomes = _random_outcomes(seed)
-    slo = SLOTargets(ttft_ms=500, tpot_ms=60, e2el_ms=3000)
+    slo = SloTargets(ttft_ms=500, tpot_ms=60, e2el_ms=3000)
     theirs, their_lens = serve.calculate_metrics(
         input_requests=None,
         outputs=_vllm_outputs(outcomes),

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
-from pdserve.kv.transport.base import BlockRegion, BlockSink, BlockSource, KVLayoutSpec, ReleaseReason
+from pdserve.kv.transport.base import BlockSink, BlockSource
 from pdserve.kv.transport.fake import FakeFabric, FakeSink, FakeSource
 from pdserve.kv.transport.grpc import GrpcSink, GrpcSource
+from pdserve.kv.transport.leases import ReleaseReason
 from pdserve.kv.transport.nccl import NcclSink, NcclSource
+from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec
 
 TRANSPORTS = ["fake", "grpc", "nccl"]
 TOKEN = "cluster-secret"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve.kv.transport import blocks
-from pdserve.kv.transport.base import BlockRegion
+from pdserve.kv.transport.regions import BlockRegion
 
 pytestmark = pytest.mark.unit
 

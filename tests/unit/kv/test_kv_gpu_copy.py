@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from pdserve.kv.transport import blocks, gpu_copy
-from pdserve.kv.transport.base import BlockRegion
 from pdserve.kv.transport.nccl import _pull_plan
+from pdserve.kv.transport.regions import BlockRegion
 
 pytestmark = pytest.mark.unit
 needs_triton = pytest.mark.skipif(gpu_copy.triton is None, reason="needs Triton")

@@ -9,8 +9,8 @@ from kv_helpers import LAYOUT, TOKEN, kv_regions
 from pdserve.kv.proto import kv_transfer_pb2 as pb
 from pdserve.kv.proto import kv_transfer_pb2_grpc as pb_grpc
 from pdserve.kv.transport import wire
-from pdserve.kv.transport.base import WIRE_VERSION, make_hello
 from pdserve.kv.transport.grpc import GrpcSource
+from pdserve.kv.transport.handshake import WIRE_VERSION, make_hello
 
 pytestmark = pytest.mark.unit
 

@@ -7,20 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from pdserve.kv.transport.base import (
-    WIRE_VERSION,
-    AuthenticationError,
-    BlockRegion,
-    IncompatiblePeerError,
-    KVLayoutSpec,
-    KVTransfer,
-    TransferState,
-    WireVersionError,
-    check_compatible,
-    check_regions,
-    make_hello,
-    verify_hello,
-)
+from pdserve.kv.transport.base import KVTransfer, TransferState
+from pdserve.kv.transport.errors import AuthenticationError, IncompatiblePeerError, WireVersionError
+from pdserve.kv.transport.handshake import WIRE_VERSION, check_compatible, make_hello, verify_hello
+from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec, check_regions
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pdserve.kv.transport import nccl_direct
-from pdserve.kv.transport.base import KVTransportError
+from pdserve.kv.transport.errors import KVTransportError
 
 pytestmark = pytest.mark.unit
 

@@ -10,13 +10,10 @@ from kv_helpers import WAIT_S, TransportFactory, block_bytes
 
 from pdserve.kv.connector.layout import build_layout
 from pdserve.kv.transport import heads
-from pdserve.kv.transport.base import (
-    BlockRegion,
-    IncompatiblePeerError,
-    KVLayoutSpec,
-    ReleaseReason,
-    TransferState,
-)
+from pdserve.kv.transport.base import TransferState
+from pdserve.kv.transport.errors import IncompatiblePeerError
+from pdserve.kv.transport.leases import ReleaseReason
+from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec
 
 pytestmark = pytest.mark.unit
 

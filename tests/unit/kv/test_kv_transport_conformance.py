@@ -8,14 +8,9 @@ import time
 import pytest
 from kv_helpers import WAIT_S, assert_blocks_equal, kv_regions, other_layout
 
-from pdserve.kv.transport.base import (
-    AuthenticationError,
-    IncompatiblePeerError,
-    KVTransfer,
-    ReleaseReason,
-    TransferState,
-    WireVersionError,
-)
+from pdserve.kv.transport.base import KVTransfer, TransferState
+from pdserve.kv.transport.errors import AuthenticationError, IncompatiblePeerError, WireVersionError
+from pdserve.kv.transport.leases import ReleaseReason
 
 pytestmark = pytest.mark.unit
 

@@ -71,9 +71,9 @@ def bench_json(rate, ttfts, latencies, outputs, duration, slo=None):
 
 
 def test_pooled_repeats_score_every_request_of_a_rate_together():
-    from pdserve.bench.metrics import SLOTargets
+    from pdserve.slo import SloTargets
 
-    slo = SLOTargets(ttft_ms=500.0, tpot_ms=200.0)
+    slo = SloTargets(ttft_ms=500.0, tpot_ms=200.0)
     r1 = bench_json(1.0, [0.2, 0.4, 0.6], [1.1, 1.3, 1.5], [10, 10, 10], 4.0)
     r2 = bench_json(1.0, [0.8, 1.0], [1.7, 1.9], [10, 10], 6.0)
     one = measured_runs.pooled_metrics(measured_runs.measured_outcomes(r1), 4.0, slo)

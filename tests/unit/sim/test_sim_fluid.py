@@ -4,9 +4,8 @@ import pytest
 import pdserve.autoscaler.policy as policy
 from conftest import workload
 from pdserve.autoscaler.policy import PoolBounds, ScalingPolicy
-from pdserve.bench.metrics import SLOTargets
 from pdserve.scheduler.perf_model import PerfModel
-from pdserve.scheduler.routing import SloTargets
+from pdserve.slo import SloTargets
 from pdserve.sim.arrivals import CurveArrivals, WorkloadArrivals, flat
 from pdserve.sim.engine_profile import EngineProfile
 from pdserve.sim.fluid import FluidConfig, FluidSimulation
@@ -37,7 +36,7 @@ def test_fluid_mode_calls_the_production_routing_and_scaling_functions(profile, 
     wl = at_rate("random", 50, 10.0, input_len=100, output_len=10)
     bounds = PoolBounds(1, 3)
     fluid(SimConfig(profile, Topology.disaggregated(1, 1, bounds, bounds),
-                    slo=SloTargets(1.0, 0.05), autoscale_interval_s=1.0), wl)
+                    slo=SloTargets.from_s(1.0, 0.05), autoscale_interval_s=1.0), wl)
     # Single engines and sparse arrivals: every cohort is one request.
     assert calls["place"] == 50 and calls["place_colocated"] == 0
     assert calls["decide"] >= 2 * 4
@@ -62,8 +61,8 @@ H200 = EngineProfile(PerfModel(prefill_tokens_per_s=44_500.0, decode_step_s=0.00
 def test_fluid_agrees_with_the_per_request_simulator_on_a_moderate_load(topology):
     # Chat traffic at 10 req/s per serving engine (the speed target's density).
     wl = at_rate("chat", 3000, 40.0, seed=4)
-    goodput = SLOTargets(ttft_ms=100, tpot_ms=8)
-    config = SimConfig(H200, topology, SloTargets(0.1, 0.008), record_itls=False,
+    goodput = SloTargets(ttft_ms=100, tpot_ms=8)
+    config = SimConfig(H200, topology, SloTargets.from_s(0.1, 0.008), record_itls=False,
                        keep_requests=False)
     des = _des(config, wl, goodput)
     got = fluid(config, wl, goodput).summary()
@@ -79,7 +78,7 @@ def test_fluid_autoscaler_adds_engines_under_load_and_drains_them_after(profile)
     light = at_rate("random", 100, 0.5, input_len=50, output_len=5, seed=2)
     light = type(light)(light.arrivals + heavy.arrivals[-1] + 1, light.prompts, light.outputs)
     config = SimConfig(profile, Topology.colocated(1, PoolBounds(1, 6)),
-                       slo=SloTargets(ttft_s=0.5, tpot_s=0.05),
+                       slo=SloTargets.from_s(0.5, 0.05),
                        scaling=ScalingPolicy(downscale_cooldown_s=20.0), autoscale_interval_s=2.0)
     run = fluid(config, concat([heavy, light]))
     pressure = {policy.TTFT_BREACH, policy.PREFILL_LOAD, policy.TPOT_BREACH, policy.KV_PRESSURE}

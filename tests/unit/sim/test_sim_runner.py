@@ -8,8 +8,8 @@ import pdserve.scheduler.routing as routing
 import pdserve.scheduler.ledger as ledger
 from conftest import workload
 from pdserve.autoscaler.policy import PoolBounds, ScalingPolicy
-from pdserve.bench.metrics import SLOTargets
-from pdserve.scheduler.routing import RoutingPolicy, SloTargets
+from pdserve.slo import SloTargets
+from pdserve.scheduler.routing import RoutingPolicy
 from pdserve.sim.results import bench_result, run_json
 from pdserve.sim.runner import SimConfig, Topology, simulate
 from pdserve.sim.workload import at_rate, concat
@@ -51,9 +51,9 @@ def test_one_token_requests_free_their_prefill_blocks(profile):
 def test_same_seed_same_result_other_seed_other_result(profile):
     def once(seed):
         wl = at_rate("random", 300, 20.0, seed=seed, input_len=300, output_len=40, range_ratio=0.5)
-        run = simulate(SimConfig(profile, Topology.disaggregated(1, 2), slo=SloTargets(1.0, 0.05)),
+        run = simulate(SimConfig(profile, Topology.disaggregated(1, 2), slo=SloTargets.from_s(1.0, 0.05)),
                        wl)
-        body = run_json(run, SLOTargets(ttft_ms=1000, tpot_ms=50), per_request=True)
+        body = run_json(run, SloTargets(ttft_ms=1000, tpot_ms=50), per_request=True)
         body["simulation"].pop("wall_s")
         body["simulation"].pop("simulated_requests_per_wall_s")
         return json.dumps(body, sort_keys=True)
@@ -74,7 +74,7 @@ def test_the_simulator_calls_the_production_routing_and_scaling_functions(profil
     wl = at_rate("random", 50, 10.0, input_len=100, output_len=10)
     bounds = PoolBounds(1, 3)
     simulate(SimConfig(profile, Topology.disaggregated(1, 1, bounds, bounds),
-                       slo=SloTargets(1.0, 0.05), autoscale_interval_s=1.0), wl)
+                       slo=SloTargets.from_s(1.0, 0.05), autoscale_interval_s=1.0), wl)
     assert calls["place"] == 50 and calls["place_colocated"] == 0
     assert calls["decide"] >= 2 * 4  # both pools, every second of a ~5 s run
     simulate(SimConfig(profile, Topology.colocated(2)), wl)
@@ -86,7 +86,7 @@ def test_autoscaler_adds_engines_under_load_and_drains_them_after(profile):
     light = at_rate("random", 100, 0.5, input_len=50, output_len=5, seed=2)
     light = type(light)(light.arrivals + heavy.arrivals[-1] + 1, light.prompts, light.outputs)
     config = SimConfig(profile, Topology.colocated(1, PoolBounds(1, 6)),
-                       slo=SloTargets(ttft_s=0.5, tpot_s=0.05),
+                       slo=SloTargets.from_s(0.5, 0.05),
                        scaling=ScalingPolicy(downscale_cooldown_s=20.0), autoscale_interval_s=2.0)
     run = simulate(config, concat([heavy, light]))
     ups = [(t, d) for t, d in run.decisions if d.delta > 0]
@@ -113,7 +113,7 @@ def test_a_gpu_budget_caps_what_the_autoscaled_pools_hold_together(profile):
     heavy = at_rate("random", 600, 8.0, input_len=300, output_len=20, seed=1)
     bounds = PoolBounds(1, 4)
     config = SimConfig(profile, Topology.disaggregated(1, 1, bounds, bounds),
-                       slo=SloTargets(ttft_s=0.5, tpot_s=0.05), autoscale_interval_s=2.0,
+                       slo=SloTargets.from_s(0.5, 0.05), autoscale_interval_s=2.0,
                        scaling=ScalingPolicy(upscale_cooldown_s=4.0), max_gpus=3)
     run = simulate(config, heavy)
     assert any(d.delta > 0 for _, d in run.decisions)  # it did want more than 1P1D
@@ -122,7 +122,7 @@ def test_a_gpu_budget_caps_what_the_autoscaled_pools_hold_together(profile):
         alive = [e for e in run.engines if e.created <= t and (e.removed is None or e.removed > t)]
         assert len(alive) <= 3
     unbounded = simulate(SimConfig(profile, Topology.disaggregated(1, 1, bounds, bounds),
-                                   slo=SloTargets(ttft_s=0.5, tpot_s=0.05), autoscale_interval_s=2.0,
+                                   slo=SloTargets.from_s(0.5, 0.05), autoscale_interval_s=2.0,
                                    scaling=ScalingPolicy(upscale_cooldown_s=4.0)), heavy)
     assert len(unbounded.engines) > 3
 
@@ -137,7 +137,7 @@ def test_at_the_budget_a_gpu_moves_from_the_pool_that_can_spare_it(profile):
                                       decode_heavy.prompts, decode_heavy.outputs)
     bounds = PoolBounds(1, 3)
     config = SimConfig(profile, Topology.disaggregated(1, 1, bounds, bounds),
-                       slo=SloTargets(ttft_s=0.5, tpot_s=0.05), autoscale_interval_s=2.0,
+                       slo=SloTargets.from_s(0.5, 0.05), autoscale_interval_s=2.0,
                        scaling=ScalingPolicy(upscale_cooldown_s=4.0), max_gpus=4, record_itls=False)
     run = simulate(config, concat([prefill_heavy, decode_heavy]))
     moved = [(t, d) for t, d in run.decisions if d.reason == policy.REBALANCE]
@@ -154,8 +154,8 @@ def test_at_the_budget_a_gpu_moves_from_the_pool_that_can_spare_it(profile):
 def test_rejections_count_as_failed_requests(profile):
     # One engine, a tight TTFT target and a burst: admission control refuses some requests.
     wl = at_rate("random", 100, float("inf"), input_len=500, output_len=5)
-    run = simulate(SimConfig(profile, Topology.colocated(1), slo=SloTargets(0.2, 0.05)), wl)
-    body = run_json(run, SLOTargets(ttft_ms=200))
+    run = simulate(SimConfig(profile, Topology.colocated(1), slo=SloTargets.from_s(0.2, 0.05)), wl)
+    body = run_json(run, SloTargets(ttft_ms=200))
     assert run.rejected.get("ttft_slo", 0) > 0
     assert body["failed"] == run.rejected["ttft_slo"]
     assert body["slo_attainment"]["ttft"] < 1.0
@@ -164,7 +164,7 @@ def test_rejections_count_as_failed_requests(profile):
 def test_results_carry_the_harness_keys(profile):
     wl = at_rate("random", 40, 5.0, input_len=100, output_len=10)
     body = run_json(simulate(SimConfig(profile, Topology.colocated(1)), wl),
-                    SLOTargets(ttft_ms=500, tpot_ms=50), percentiles=(90, 99))
+                    SloTargets(ttft_ms=500, tpot_ms=50), percentiles=(90, 99))
     for key in ("completed", "request_goodput", "median_ttft_ms", "p99_tpot_ms", "p90_itl_ms",
                 "mean_e2el_ms", "slo_attainment", "output_throughput"):
         assert key in body

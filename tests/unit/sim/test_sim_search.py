@@ -1,8 +1,7 @@
 import pytest
 
 from pdserve.autoscaler.policy import PoolBounds
-from pdserve.bench.metrics import SLOTargets
-from pdserve.scheduler.routing import SloTargets
+from pdserve.slo import SloTargets
 from pdserve.sim import cli
 from pdserve.sim.baselines import TtftOnlyAutoscaler
 from pdserve.sim.runner import SimConfig, Topology, simulate
@@ -21,8 +20,8 @@ def test_candidates_cover_colocated_and_every_split():
 def test_search_finds_the_smallest_deployment_meeting_the_goal(profile):
     # ~1000 prompt tokens/s of work on engines that prefill 1000 tokens/s: one engine drowns.
     wl = at_rate("random", 400, 4.0, input_len=250, output_len=10, seed=0)
-    base = SimConfig(profile, Topology.colocated(1), SloTargets(0.5, 0.05))
-    goodput = SLOTargets(ttft_ms=500, tpot_ms=50)
+    base = SimConfig(profile, Topology.colocated(1), SloTargets.from_s(0.5, 0.05))
+    goodput = SloTargets(ttft_ms=500, tpot_ms=50)
     best, trials = search_static(base, wl, goodput, 0.9, 6, disaggregated=False)
     assert best is not None
     n = best.topology.pools["colocated"]
@@ -33,7 +32,7 @@ def test_search_finds_the_smallest_deployment_meeting_the_goal(profile):
 
 def test_ttft_only_baseline_scales_on_ttft_alone(profile):
     wl = at_rate("random", 600, 6.0, input_len=250, output_len=10, seed=1)
-    config = SimConfig(profile, Topology.colocated(1, PoolBounds(1, 4)), SloTargets(0.3, 0.05),
+    config = SimConfig(profile, Topology.colocated(1, PoolBounds(1, 4)), SloTargets.from_s(0.3, 0.05),
                        autoscaler="ttft_only", autoscale_interval_s=2.0)
     run = simulate(config, wl)
     assert run.decisions and {d.reason for _, d in run.decisions} <= {"ttft_breach", "idle"}

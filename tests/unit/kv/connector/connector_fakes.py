@@ -18,16 +18,11 @@ import torch
 
 from pdserve.kv.connector.config import ConnectorConfig
 from pdserve.kv.connector.metadata import WorkerEndpoint
-from pdserve.kv.connector.scheduler import SchedulerSide
-from pdserve.kv.transport.base import (
-    WIRE_VERSION,
-    BlockRegion,
-    BlockSink,
-    BlockSource,
-    KVLayoutSpec,
-    ReleaseCallback,
-)
+from pdserve.kv.connector.scheduler_side import SchedulerSide
+from pdserve.kv.transport.base import BlockSink, BlockSource, ReleaseCallback
 from pdserve.kv.transport.fake import FakeFabric, FakeSink, FakeSource
+from pdserve.kv.transport.handshake import WIRE_VERSION
+from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec
 
 BLOCK = 128
 TOKEN = "unit-token"

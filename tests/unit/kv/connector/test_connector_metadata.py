@@ -10,6 +10,9 @@ import pytest
 import torch
 from connector_fakes import remote_params
 
+from pdserve.config.schema import PdserveConfig
+from pdserve.engine import vllm_engine
+from pdserve.engine.spec import EngineSpec
 from pdserve.errors import ConfigError
 from pdserve.kv.connector import compat
 from pdserve.kv.connector.config import ConnectorConfig, kv_transfer_config
@@ -22,6 +25,8 @@ from pdserve.kv.connector.metadata import (
     StepPlan,
     WorkerEndpoint,
 )
+from pdserve.kv.connector.worker_side import NetworkTransports
+from pdserve.kv.transport import nccl
 
 pytestmark = pytest.mark.unit
 
@@ -114,12 +119,34 @@ def test_kv_transfer_config_builds_what_vllm_expects() -> None:
         ({"failure_policy": "retry"}, "failure_policy"),
         ({"port": 70000}, "port"),
         ({"pull_timeout_s": -1}, "pull_timeout_s"),
+        ({"nccl_api": "fast"}, "nccl_api"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(kwargs: dict, field: str) -> None:
     args = {"role": "prefill", "transport": "grpc", "cluster_token": "t", **kwargs}
     with pytest.raises(ConfigError, match=field):
         kv_transfer_config(args.pop("role"), args.pop("transport"), args.pop("cluster_token"), **args)
+
+
+def test_the_deployments_nccl_api_reaches_the_nccl_endpoints(monkeypatch) -> None:
+    # config tree -> vLLM's kv_transfer_config (the engine actor) -> ConnectorConfig (the worker)
+    # -> the endpoints it builds; no environment variable on the way.
+    tree = PdserveConfig.model_validate(
+        {"kv": {"transport": "nccl", "cluster_token": "t", "nccl_api": "torch", "advertise_host": "10.0.0.7"}}
+    )
+    vllm_config = vllm_engine._kv_transfer_config(EngineSpec("decode-0", "decode", "/m", "m", tree))
+    config = ConnectorConfig.from_vllm(SimpleNamespace(**vllm_config))
+    assert config.nccl_api == "torch"
+    built = []
+    monkeypatch.setattr(nccl, "NcclSource", lambda *a, **options: built.append(("source", options["nccl_api"])))
+    monkeypatch.setattr(nccl, "NcclSink", lambda *a, **options: built.append(("sink", options["nccl_api"])))
+    transports = NetworkTransports(config)
+    transports.make_source(None, [], engine_id="e", on_release=lambda *a: None, tp_rank=0)
+    transports.make_sink("nccl", None, [], engine_id="e")
+    assert built == [("source", "torch"), ("sink", "torch")]
+    # The default stays out of the extra config, which is then what it was before the setting.
+    default = kv_transfer_config("prefill", "nccl", "t")["kv_connector_extra_config"]
+    assert "nccl_api" not in default and ConnectorConfig.from_extra("kv_producer", default).nccl_api == "auto"
 
 
 def test_unknown_extra_keys_and_policy_disagreement_are_refused() -> None:

@@ -8,7 +8,7 @@ from connector_fakes import BLOCK, FakeRequest, Status, remote_params, scheduler
 
 from pdserve.kv.connector.compat import ScheduledRequest
 from pdserve.kv.connector.metadata import KVPin, RemotePrefill
-from pdserve.kv.connector.scheduler import SchedulerSide
+from pdserve.kv.connector.scheduler_side import SchedulerSide
 
 pytestmark = pytest.mark.unit
 

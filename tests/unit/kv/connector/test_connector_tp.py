@@ -10,8 +10,8 @@ import torch
 from connector_fakes import BLOCK, FakeRequest, FakeTransports, Status, Stepping, config
 
 from pdserve.kv.connector.compat import KVHeads, ScheduledRequest, heads_axis
-from pdserve.kv.connector.scheduler import SchedulerSide
-from pdserve.kv.connector.worker import WorkerSide
+from pdserve.kv.connector.scheduler_side import SchedulerSide
+from pdserve.kv.connector.worker_side import WorkerSide
 
 pytestmark = pytest.mark.unit
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from connector_fakes import BLOCK, WAIT_S, FakeRequest, FakeTransports, Status, Stepping, config, kv_caches
 
-from pdserve.kv.connector import worker as worker_module
+from pdserve.kv.connector import worker_side
 from pdserve.kv.connector.compat import ScheduledRequest
 from pdserve.kv.connector.metadata import StepPlan
-from pdserve.kv.connector.scheduler import SchedulerSide
-from pdserve.kv.connector.worker import WorkerSide
+from pdserve.kv.connector.scheduler_side import SchedulerSide
+from pdserve.kv.connector.worker_side import WorkerSide
 
 pytestmark = pytest.mark.unit
 
@@ -212,7 +212,7 @@ def test_a_plan_is_applied_once_however_many_hooks_pass_it(transports: FakeTrans
 
 def test_idle_steps_with_outstanding_transfers_sleep(transports: FakeTransports, monkeypatch) -> None:
     sleeps: list[float] = []
-    monkeypatch.setattr(worker_module.time, "sleep", sleeps.append)
+    monkeypatch.setattr(worker_side.time, "sleep", sleeps.append)
     p = Engine("kv_producer", transports, seed=1)
     prefill(p, 200)
 
