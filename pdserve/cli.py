@@ -159,7 +159,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _serve(args: argparse.Namespace) -> int:
     from pdserve.config import load_config
-    from pdserve.serving.service import run_service
+    from pdserve.service import run_service
 
     run_service(load_config(args.config, serve_overrides(args)))
     return 0

@@ -8,7 +8,7 @@ non-streaming requests are watched for disconnects while they run.
 
 Lifecycle: `build_app()` wires a backend in; the app's lifespan runs one background task that
 polls engine stats into the gauges, and cancels it on exit. The backend itself is owned (and
-shut down) by whoever built it (`pdserve.serving.service`).
+shut down) by whoever built it (`pdserve.service`).
 """
 
 from __future__ import annotations
