@@ -45,10 +45,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
-from pdserve.kv.transport.base import BlockRegion, KVLayoutSpec, TransferState
+from pdserve.kv.transport.base import TransferState
 from pdserve.kv.transport.fake import FakeFabric, FakeSink, FakeSource
 from pdserve.kv.transport.grpc import GrpcSink
 from pdserve.kv.transport.nccl import DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, NcclSink, NcclSource
+from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec
 
 TOKEN = "bench-token"
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B

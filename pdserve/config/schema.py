@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from pdserve.kv.transport.defaults import DEFAULT_LEASE_S
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
@@ -185,7 +187,8 @@ class KVTransferConfig(_Section):
         "generated when the deployment starts.",
     )
     lease_s: float = Field(
-        30.0, gt=0, description="Prefill blocks are freed if no decode engine pulls them in time.",
+        DEFAULT_LEASE_S, gt=0, description="Prefill blocks are freed if no decode engine pulls them "
+        "in time.",
     )
     failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="On a failed or timed-out transfer: recompute the prompt on the "

@@ -158,9 +158,6 @@ class EngineActor:
         if self._requests is not None:
             self._requests.close()
 
-    async def ping(self) -> str:
-        return self._spec.replica_id
-
 
 def _node_ip() -> str:
     try:

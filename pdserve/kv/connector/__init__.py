@@ -6,8 +6,10 @@ cluster_token, ...))`; vLLM then loads `PdserveConnector` from this package. Mod
 | module | |
 |---|---|
 | `connector` | `PdserveConnector`, the thin KVConnectorBase_V1 facade vLLM instantiates |
-| `scheduler` | scheduler side: what to pin, pull and release (pure state machine) |
-| `worker` | worker side: transport endpoints, pins, pulls, completion reports |
+| `scheduler_side` | scheduler side: what to pin, pull and release (pure state machine) |
+| `worker_side` | worker side: transport endpoints, pins, pulls, completion reports |
+| `pulls` | a decode rank's pulls of one request across the prefill TP ranks |
+| `stats` | the connector's transfer stats as vLLM aggregates and logs them |
 | `metadata` | typed values crossing boundaries: kv_transfer_params, per-step plans |
 | `layout` | vLLM KV tensors -> transport regions and compatibility spec |
 | `config` | extra-config validation and `kv_transfer_config()` |

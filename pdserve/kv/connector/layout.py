@@ -19,7 +19,7 @@ import torch
 
 from pdserve.kv.connector.compat import KVHeads, heads_axis
 from pdserve.kv.transport import heads as kv_heads
-from pdserve.kv.transport.base import BlockRegion, KVLayoutSpec
+from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec
 
 __all__ = ["build_layout", "build_regions", "find_block_dim"]
 

@@ -12,11 +12,11 @@ Everything here is frozen, small and free of vLLM and torch objects.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.kv.transport.base import WIRE_VERSION
+from pdserve.kv.transport.handshake import WIRE_VERSION
 
 __all__ = [
     "KVPin",
@@ -185,8 +185,3 @@ class WorkerEndpoint:
 def prompt_blocks(num_tokens: int, block_size: int) -> int:
     """Blocks holding `num_tokens` tokens (the last one possibly partial)."""
     return -(-num_tokens // block_size)
-
-
-def block_ids_tuple(block_ids: Sequence[int]) -> tuple[int, ...]:
-    """Block ids as a tuple of plain ints (vLLM may hand numpy ints or lists)."""
-    return tuple(int(b) for b in block_ids)

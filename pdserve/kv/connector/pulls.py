@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from pdserve.kv.connector.metadata import RemotePrefill
 from pdserve.kv.transport import heads
-from pdserve.kv.transport.base import KVLayoutSpec, KVTransfer, TransferState
+from pdserve.kv.transport.base import KVTransfer, TransferState
+from pdserve.kv.transport.regions import KVLayoutSpec
 
 __all__ = ["PullGroup", "PullPart", "SourcePlan", "plan_sources"]
 

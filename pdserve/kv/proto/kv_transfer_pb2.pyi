@@ -117,21 +117,3 @@ class SetupCommunicatorResponse(_message.Message):
     store_address: str
     params: bytes
     def __init__(self, store_address: _Optional[str] = ..., params: _Optional[bytes] = ...) -> None: ...
-
-class PullBlocksNcclRequest(_message.Message):
-    __slots__ = ("pair_id", "request_id", "block_ids", "release_after")
-    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    RELEASE_AFTER_FIELD_NUMBER: _ClassVar[int]
-    pair_id: str
-    request_id: str
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    release_after: bool
-    def __init__(self, pair_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., release_after: _Optional[bool] = ...) -> None: ...
-
-class PullBlocksNcclResponse(_message.Message):
-    __slots__ = ("total_bytes",)
-    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    total_bytes: int
-    def __init__(self, total_bytes: _Optional[int] = ...) -> None: ...

@@ -54,11 +54,6 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.SetupCommunicatorRequest.SerializeToString,
                 response_deserializer=pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.SetupCommunicatorResponse.FromString,
                 _registered_method=True)
-        self.PullBlocksNccl = channel.unary_unary(
-                '/pdserve.kv.v1.KVTransfer/PullBlocksNccl',
-                request_serializer=pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.PullBlocksNcclRequest.SerializeToString,
-                response_deserializer=pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.PullBlocksNcclResponse.FromString,
-                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -92,14 +87,6 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def PullBlocksNccl(self, request, context):
-        """NCCL side channel: asks the server to send the blocks over the pair's communicator.
-        Returns once the blocks are validated and the send is queued; the client then receives.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,11 +109,6 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.SetupCommunicator,
                     request_deserializer=pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.SetupCommunicatorRequest.FromString,
                     response_serializer=pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.SetupCommunicatorResponse.SerializeToString,
-            ),
-            'PullBlocksNccl': grpc.unary_unary_rpc_method_handler(
-                    servicer.PullBlocksNccl,
-                    request_deserializer=pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.PullBlocksNcclRequest.FromString,
-                    response_serializer=pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.PullBlocksNcclResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -237,33 +219,6 @@ class KVTransfer:
             '/pdserve.kv.v1.KVTransfer/SetupCommunicator',
             pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.SetupCommunicatorRequest.SerializeToString,
             pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.SetupCommunicatorResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PullBlocksNccl(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.kv.v1.KVTransfer/PullBlocksNccl',
-            pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.PullBlocksNcclRequest.SerializeToString,
-            pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.PullBlocksNcclResponse.FromString,
             options,
             channel_credentials,
             insecure,

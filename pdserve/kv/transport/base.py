@@ -11,90 +11,35 @@ Roles, as the vLLM connector's worker side uses them:
 
 Transfer failures never raise into the caller: they end the handle in FAILED with an error string
 and the caller applies its policy (recompute or fail the request). Control-plane calls such as
-`BlockSink.handshake` do raise `KVTransportError`s.
+`BlockSink.handshake` do raise `KVTransportError`s (errors.py).
 
 Every transport checks `WIRE_VERSION`, the cluster token and the `KVLayoutSpec` compatibility hash
-at handshake, and refuses a mismatch with a message that names what differs.
+at handshake (handshake.py), and refuses a mismatch with a message that names what differs. What
+the blocks are (layout, regions) lives in regions.py, which heads.py builds on.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import hmac
-import json
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from enum import Enum
 from typing import Self
 
-import torch
-
-from pdserve.errors import PdserveError
+from pdserve.kv.transport import heads
+from pdserve.kv.transport.defaults import DEFAULT_LEASE_S
+from pdserve.kv.transport.handshake import WIRE_VERSION, PeerHello, PeerInfo, make_hello, verify_hello
 from pdserve.kv.transport.leases import PinTable, ReleaseReason
+from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec, RegionInfo, check_regions
 
 __all__ = [
-    "DEFAULT_LEASE_S",
-    "WIRE_VERSION",
-    "AuthenticationError",
-    "BlockRegion",
     "BlockSink",
     "BlockSource",
-    "IncompatiblePeerError",
-    "KVLayoutSpec",
     "KVTransfer",
-    "KVTransportError",
-    "PeerHello",
-    "PeerInfo",
-    "RegionInfo",
-    "ReleaseReason",
+    "ReleaseCallback",
     "TransferState",
-    "WireVersionError",
-    "check_compatible",
-    "check_regions",
 ]
-
-# Bump on any change to the messages or to the byte order of blocks on the wire; peers speaking
-# another version are refused at handshake rather than misreading each other's bytes.
-# 2: NCCL pulls are driven over a per-pair control connection (PullBlocksNccl is no longer used).
-# 3: TP sizes may differ: the compatibility hash leaves TP out, kv_layout marks the heads axis,
-#    and a pull moves the head slice both ranks hold (heads.py).
-# 4: an NCCL sink may offer "nccl+direct" in SetupCommunicatorRequest.backend and the source
-#    names the pair's API in its settings (nccl_pair); a v3 source would refuse that offer.
-WIRE_VERSION = 4
-# A pinned request's blocks are freed after this long even if no decode worker pulls them, so a
-# lost decode request cannot leak prefill KV. 30 s is ~100x a slow CPU pull of a long prompt.
-DEFAULT_LEASE_S = 30.0
-# Largest bytes of one block of one region. gRPC must hold a whole block in one message and NCCL
-# in its staging buffer; realistic blocks are KiBs to a few MiB (a CPU block of SmolLM2: 192 KiB).
-MAX_BLOCK_NBYTES = 256 << 20
-
-
-class KVTransportError(PdserveError):
-    """A peer was refused or could not be reached (control plane)."""
-
-
-class WireVersionError(KVTransportError):
-    """The peer speaks another wire version."""
-
-
-class AuthenticationError(KVTransportError):
-    """The peer did not prove knowledge of this cluster's token."""
-
-
-class IncompatiblePeerError(KVTransportError):
-    """The peer lays out KV differently; `field` names the first differing field."""
-
-    def __init__(
-        self, field: str, local: object = None, remote: object = None, *, message: str | None = None
-    ):
-        super().__init__(
-            message or f"incompatible KV peer: {field} differs (local {local!r}, remote {remote!r})"
-        )
-        self.field = field
 
 
 class TransferState(Enum):
@@ -104,168 +49,6 @@ class TransferState(Enum):
     TRANSFERRING = "transferring"
     DONE = "done"
     FAILED = "failed"
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayoutSpec:
-    """What must match for two engines to exchange KV blocks byte for byte.
-
-    `kv_layout` describes a block TP-independently (heads axis as "[total heads]", heads.py);
-    `tp_size` and `tp_rank` may differ between peers whose KV heads intersect (`heads.check_tp`).
-    """
-
-    model: str
-    dtype: str
-    block_size: int
-    kv_layout: str
-    tp_size: int = 1
-    tp_rank: int = 0
-    num_layers: int = 0
-
-    def compat_hash(self) -> str:
-        """Stable sha256 of every field but the TP ones; called once per handshake on each side."""
-        fields = {name: getattr(self, name) for name in _HASHED_FIELDS}
-        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(b"pdserve.kv.layout\0" + canonical.encode()).hexdigest()
-
-
-# Fields that must be equal on both sides; TP is checked by heads.check_tp instead.
-_HASHED_FIELDS = tuple(f.name for f in dataclasses.fields(KVLayoutSpec) if not f.name.startswith("tp_"))
-
-
-def check_compatible(local: KVLayoutSpec, remote: KVLayoutSpec) -> None:
-    """Raises IncompatiblePeerError naming the first field that differs, then any TP sizes and
-    ranks that cannot exchange KV heads; called at handshake."""
-    from pdserve.kv.transport import heads
-
-    for name in _HASHED_FIELDS:
-        mine, theirs = getattr(local, name), getattr(remote, name)
-        if mine != theirs:
-            raise IncompatiblePeerError(name, mine, theirs)
-    heads.check_tp(local, remote)
-
-
-@dataclass(frozen=True, slots=True)
-class RegionInfo:
-    """The wire description of one region: the shape and dtype of one of its blocks."""
-
-    block_shape: tuple[int, ...]
-    dtype: str
-    block_nbytes: int
-
-
-def check_regions(local: Sequence[RegionInfo], remote: Sequence[RegionInfo]) -> None:
-    """Raises IncompatiblePeerError unless both sides register the same regions; handshake only."""
-    if len(local) != len(remote):
-        raise IncompatiblePeerError("regions", f"{len(local)} regions", f"{len(remote)} regions")
-    for i, (mine, theirs) in enumerate(zip(local, remote, strict=True)):
-        for name in ("block_shape", "dtype", "block_nbytes"):
-            if getattr(mine, name) != getattr(theirs, name):
-                raise IncompatiblePeerError(
-                    f"regions[{i}].{name}", getattr(mine, name), getattr(theirs, name)
-                )
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRegion:
-    """One registered KV tensor; block b of it is `tensor.select(block_dim, b)`.
-
-    Built by the connector in `register_kv_caches`, one per layer tensor (or one per shared buffer).
-    The transport copies whole blocks; it never assumes the block dim is first or that a block is
-    contiguous in memory. `heads_dim`, when known, is the tensor's KV-heads axis: pulls between
-    different TP sizes move a head slice of each block (`narrow_heads`).
-    """
-
-    tensor: torch.Tensor
-    block_dim: int = 0
-    heads_dim: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.block_dim < self.tensor.dim():
-            raise ValueError(f"block_dim {self.block_dim} out of range for shape {tuple(self.tensor.shape)}")
-        if self.heads_dim is not None and (
-            self.heads_dim == self.block_dim or not 0 <= self.heads_dim < self.tensor.dim()
-        ):
-            raise ValueError(f"heads_dim {self.heads_dim} invalid for shape {tuple(self.tensor.shape)}")
-        if self.info().block_nbytes > MAX_BLOCK_NBYTES:
-            raise ValueError(f"a block of {self.info().block_nbytes} bytes exceeds {MAX_BLOCK_NBYTES}")
-
-    @property
-    def num_blocks(self) -> int:
-        """How many blocks the region holds."""
-        return self.tensor.shape[self.block_dim]
-
-    def narrow_heads(self, start: int, count: int) -> BlockRegion:
-        """A view of heads [start, start+count) of this region's own heads; at handshake."""
-        if self.heads_dim is None:
-            raise ValueError("this region has no known KV heads axis")
-        view = self.tensor.narrow(self.heads_dim, start, count)
-        return BlockRegion(view, self.block_dim, self.heads_dim)
-
-    def info(self) -> RegionInfo:
-        """The region's wire description; cheap, called at construction and handshake."""
-        shape = tuple(s for d, s in enumerate(self.tensor.shape) if d != self.block_dim)
-        nbytes = self.tensor.element_size() * int(torch.Size(shape).numel())
-        return RegionInfo(
-            block_shape=shape, dtype=str(self.tensor.dtype).removeprefix("torch."), block_nbytes=nbytes
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class PeerHello:
-    """What one side of a handshake presents: the fields of HandshakeRequest/Response."""
-
-    wire_version: int
-    compat_hash: str
-    layout: KVLayoutSpec
-    engine_id: str
-    token_proof: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class PeerInfo:
-    """A source that a sink has handshaken with; returned by `BlockSink.handshake`."""
-
-    address: str
-    engine_id: str
-    layout: KVLayoutSpec
-    regions: tuple[RegionInfo, ...]
-
-
-def token_proof(cluster_token: str, role: str, wire_version: int, engine_id: str) -> bytes:
-    """HMAC of the cluster token over who is speaking; the raw token never crosses the wire.
-
-    `role` ("client" or "server") keeps one side's proof from being replayed as the other's.
-    """
-    message = f"pdserve.kv|{role}|{wire_version}|{engine_id}".encode()
-    return hmac.new(cluster_token.encode(), message, hashlib.sha256).digest()
-
-
-def make_hello(
-    layout: KVLayoutSpec, cluster_token: str, role: str, engine_id: str, version: int
-) -> PeerHello:
-    """Builds this side's half of a handshake; called once per handshake."""
-    proof = token_proof(cluster_token, role, version, engine_id)
-    return PeerHello(version, layout.compat_hash(), layout, engine_id, proof)
-
-
-def verify_hello(local: KVLayoutSpec, cluster_token: str, role: str, hello: PeerHello, version: int) -> None:
-    """Checks a peer's hello: wire version, then token, then layout. Raises a KVTransportError.
-
-    Called by every transport on both sides of a handshake; `role` is the peer's role.
-    """
-    if hello.wire_version != version:
-        raise WireVersionError(
-            f"wire version mismatch: this side speaks {version}, "
-            f"peer {hello.engine_id!r} speaks {hello.wire_version}"
-        )
-    expected = token_proof(cluster_token, role, hello.wire_version, hello.engine_id)
-    if not hmac.compare_digest(expected, hello.token_proof):
-        raise AuthenticationError(f"peer {hello.engine_id!r} refused: cluster token does not match")
-    if hello.compat_hash != local.compat_hash():
-        check_compatible(local, hello.layout)
-        raise IncompatiblePeerError("compat_hash", local.compat_hash(), hello.compat_hash)
-    check_compatible(local, hello.layout)  # the hash leaves TP out
 
 
 class KVTransfer:
@@ -422,8 +205,6 @@ class BlockSource(ABC):
         """Transports only: a sink sent Release; False if the request was not pinned. With the
         sink's layout, the pin ends once every rank of the sink's TP group that must release it
         has (heads.releasers_of); a lone rank of equal TP ends it at once."""
-        from pdserve.kv.transport import heads
-
         total = heads.num_kv_heads(self.layout)
         if peer is None or not total:
             return self._pins.release(request_id, ReleaseReason.REMOTE)
@@ -433,8 +214,6 @@ class BlockSource(ABC):
     def regions_for(self, peer: KVLayoutSpec) -> tuple[BlockRegion, ...]:
         """The views of the regions that pulls by `peer` move (heads.peer_regions), cached per
         peer TP rank; called at handshake, after the hello was verified."""
-        from pdserve.kv.transport import heads
-
         key = (peer.tp_size, peer.tp_rank)
         if key not in self._views:
             self._views[key] = heads.peer_regions(self.regions, self.layout, peer)
@@ -540,8 +319,6 @@ class BlockSink(ABC):
     def regions_for(self, peer: KVLayoutSpec) -> tuple[BlockRegion, ...]:
         """The views of the local regions that pulls from `peer` fill (heads.peer_regions),
         cached per peer TP rank; called at handshake, after the hello was verified."""
-        from pdserve.kv.transport import heads
-
         key = (peer.tp_size, peer.tp_rank)
         if key not in self._views:
             self._views[key] = heads.peer_regions(self.regions, self.layout, peer)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kv.transport.base import BlockRegion
+from pdserve.kv.transport.regions import BlockRegion
 
 # Pieces start at multiples of this inside a staging buffer, so any dtype can view its bytes
 # (a view needs the offset aligned to the element size; 64 also matches a cache line).

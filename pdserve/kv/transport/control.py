@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from pdserve.kv.transport.base import KVTransportError
+from pdserve.kv.transport.errors import KVTransportError
 
 # A pull header holds a block list; 1 MiB is ~130k block ids, far above any request.
 MAX_FRAME_BYTES = 1 << 20

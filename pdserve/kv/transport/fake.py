@@ -15,17 +15,11 @@ import time
 from collections.abc import Sequence
 
 from pdserve.kv.transport import blocks
-from pdserve.kv.transport.base import (
-    DEFAULT_LEASE_S,
-    BlockRegion,
-    BlockSink,
-    BlockSource,
-    KVLayoutSpec,
-    KVTransfer,
-    KVTransportError,
-    PeerInfo,
-    ReleaseCallback,
-)
+from pdserve.kv.transport.base import BlockSink, BlockSource, KVTransfer, ReleaseCallback
+from pdserve.kv.transport.defaults import DEFAULT_LEASE_S
+from pdserve.kv.transport.errors import KVTransportError
+from pdserve.kv.transport.handshake import PeerInfo
+from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec
 
 # The fake moves data in pieces of this size so that delays and kills land mid-pull.
 FAKE_PIECE_BYTES = 1 << 20

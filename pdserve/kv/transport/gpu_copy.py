@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from pdserve.kv.transport import blocks
-from pdserve.kv.transport.base import BlockRegion
+from pdserve.kv.transport.regions import BlockRegion
 
 logger = logging.getLogger(__name__)
 

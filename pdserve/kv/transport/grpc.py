@@ -28,18 +28,11 @@ import torch
 from pdserve.kv.proto import kv_transfer_pb2 as pb
 from pdserve.kv.proto import kv_transfer_pb2_grpc as pb_grpc
 from pdserve.kv.transport import blocks, wire
-from pdserve.kv.transport.base import (
-    DEFAULT_LEASE_S,
-    MAX_BLOCK_NBYTES,
-    BlockRegion,
-    BlockSink,
-    BlockSource,
-    KVLayoutSpec,
-    KVTransfer,
-    KVTransportError,
-    PeerInfo,
-    ReleaseCallback,
-)
+from pdserve.kv.transport.base import BlockSink, BlockSource, KVTransfer, ReleaseCallback
+from pdserve.kv.transport.defaults import DEFAULT_LEASE_S, DEFAULT_PULL_TIMEOUT_S
+from pdserve.kv.transport.errors import KVTransportError
+from pdserve.kv.transport.handshake import PeerInfo
+from pdserve.kv.transport.regions import MAX_BLOCK_NBYTES, BlockRegion, KVLayoutSpec
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +57,6 @@ DEFAULT_SERVER_THREADS = 8
 DEFAULT_PULL_THREADS = 4
 # Handshake is one small round trip; longer than this means the source is unreachable.
 HANDSHAKE_TIMEOUT_S = 5.0
-# Whole-pull deadline: a 256 MiB prompt at a slow 0.3 GB/s takes ~1 s; 60 s means something broke.
-DEFAULT_PULL_TIMEOUT_S = 60.0
 # Sessions kept per source (oldest dropped first); one per sink process it ever talked to.
 MAX_SESSIONS = 4096
 
@@ -144,12 +135,6 @@ class GrpcSource(BlockSource):
     def serve_setup_communicator(
         self, pair_id: str, backend: str, regions: Sequence[BlockRegion]
     ) -> tuple[str, bytes]:
-        """NCCL side channel (server thread): only NcclSource serves it."""
-        raise NotImplementedError("this KV source serves gRPC pulls only")
-
-    def serve_pull_nccl(
-        self, pair_id: str, request_id: str, block_ids: list[int], release_after: bool
-    ) -> int:
         """NCCL side channel (server thread): only NcclSource serves it."""
         raise NotImplementedError("this KV source serves gRPC pulls only")
 
@@ -233,21 +218,6 @@ class _Servicer(pb_grpc.KVTransferServicer):
             context, self._source.serve_setup_communicator, request.pair_id, request.backend, regions
         )
         return pb.SetupCommunicatorResponse(store_address=store_address, params=params)
-
-    def PullBlocksNccl(
-        self, request: pb.PullBlocksNcclRequest, context: grpc.ServicerContext
-    ) -> pb.PullBlocksNcclResponse:
-        """Once per NCCL pull: validates and queues the send; returns before any byte moves."""
-        self._require_session(context)
-        total = self._call(
-            context,
-            self._source.serve_pull_nccl,
-            request.pair_id,
-            request.request_id,
-            list(request.block_ids),
-            request.release_after,
-        )
-        return pb.PullBlocksNcclResponse(total_bytes=total)
 
     def _require_session(self, context: grpc.ServicerContext) -> KVLayoutSpec:
         """The caller's layout from its session; aborts the call when it has none."""

@@ -22,7 +22,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.kv.transport.base import BlockRegion, IncompatiblePeerError, KVLayoutSpec
+from pdserve.kv.transport.errors import IncompatiblePeerError
+from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec
 
 __all__ = [
     "SourceShare",

@@ -54,13 +54,15 @@ import torch.distributed as dist
 
 from pdserve.kv.proto import kv_transfer_pb2 as pb
 from pdserve.kv.transport import blocks, control, gpu_copy
-from pdserve.kv.transport.base import BlockRegion, KVLayoutSpec, KVTransfer, KVTransportError
+from pdserve.kv.transport.base import KVTransfer
+from pdserve.kv.transport.errors import KVTransportError
 from pdserve.kv.transport.grpc import HANDSHAKE_TIMEOUT_S, GrpcSink, GrpcSource, SourceSession
 from pdserve.kv.transport.nccl_pair import (
     DEFAULT_PAIR_TIMEOUT_S, DEFAULT_STAGING_BUFFERS, DEFAULT_STAGING_BYTES, MAX_NCCL_CHANNELS,
     MAX_STAGING_BUFFERS, Pair, Watchdog, backend_for, decode_settings, local_ip_towards, offered_backend,
     on_stream, pair_api, resolve_api,
 )
+from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from pdserve.kv.transport.base import KVTransportError
+from pdserve.kv.transport.errors import KVTransportError
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from pdserve.kv.transport import gpu_copy, nccl_direct
-from pdserve.kv.transport.base import BlockRegion, KVTransportError
+from pdserve.kv.transport.errors import KVTransportError
+from pdserve.kv.transport.regions import BlockRegion
 
 logger = logging.getLogger(__name__)
 

@@ -12,15 +12,14 @@ from collections.abc import Sequence
 import grpc
 
 from pdserve.kv.proto import kv_transfer_pb2 as pb
-from pdserve.kv.transport.base import (
+from pdserve.kv.transport.errors import (
     AuthenticationError,
     IncompatiblePeerError,
-    KVLayoutSpec,
     KVTransportError,
-    PeerHello,
-    RegionInfo,
     WireVersionError,
 )
+from pdserve.kv.transport.handshake import PeerHello
+from pdserve.kv.transport.regions import KVLayoutSpec, RegionInfo
 
 # Metadata keys; gRPC requires lower case. The session key rides on every call after Handshake.
 SESSION_KEY = "x-pdserve-session"

@@ -15,8 +15,9 @@ from multiprocessing.connection import Connection
 import torch
 
 from pdserve.kv.transport import blocks
-from pdserve.kv.transport.base import BlockRegion, KVLayoutSpec, ReleaseReason
+from pdserve.kv.transport.leases import ReleaseReason
 from pdserve.kv.transport.nccl import NcclSource
+from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec
 
 TOKEN = "cluster-secret"
 LAYOUT = KVLayoutSpec("test/llama-shaped", "float16", 4, "mixed", 1, 0, 2)

@@ -29,8 +29,8 @@ import torch
 from pdserve.kv.connector import vllm_kv_transfer_config
 from pdserve.kv.connector.compat import KVHeads
 from pdserve.kv.connector.layout import build_layout, build_regions
-from pdserve.kv.transport.base import BlockRegion
 from pdserve.kv.transport.grpc import GrpcSource
+from pdserve.kv.transport.regions import BlockRegion
 
 T = TypeVar("T")
 

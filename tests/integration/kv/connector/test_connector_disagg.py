@@ -30,7 +30,7 @@ from connector_engines import (
     wait_for,
 )
 
-from pdserve.kv.transport.base import IncompatiblePeerError
+from pdserve.kv.transport.errors import IncompatiblePeerError
 from pdserve.kv.transport.grpc import GrpcSink
 
 pytestmark = pytest.mark.integration

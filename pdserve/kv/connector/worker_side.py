@@ -37,16 +37,9 @@ from pdserve.kv.connector.config import ConnectorConfig
 from pdserve.kv.connector.layout import build_layout, build_regions
 from pdserve.kv.connector.metadata import KVPin, KVPull, RemotePrefill, StepPlan, WorkerEndpoint
 from pdserve.kv.connector.pulls import PullGroup, SourcePlan, plan_sources
-from pdserve.kv.transport.base import (
-    BlockRegion,
-    BlockSink,
-    BlockSource,
-    KVLayoutSpec,
-    KVTransfer,
-    ReleaseCallback,
-    ReleaseReason,
-    TransferState,
-)
+from pdserve.kv.transport.base import BlockSink, BlockSource, KVTransfer, ReleaseCallback, TransferState
+from pdserve.kv.transport.leases import ReleaseReason
+from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec
 
 logger = logging.getLogger(__name__)
 

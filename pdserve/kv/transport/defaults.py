@@ -1,0 +1,16 @@
+"""Defaults of the KV transfer settings, each defined once: the transports, the connector's config
+(pdserve.kv.connector.config) and the deployment's config tree (pdserve.config.schema) all refer
+here. A light module (no torch, no grpc), so the config tree can import it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DEFAULT_LEASE_S", "DEFAULT_PULL_TIMEOUT_S"]
+
+# A pinned request's blocks are freed after this long even if no decode worker pulls them, so a
+# lost decode request cannot leak prefill KV. 30 s is ~100x a slow CPU pull of a long prompt.
+DEFAULT_LEASE_S = 30.0
+# A gRPC pull that has not finished after this long is failed by its deadline and the policy
+# applies (NCCL pulls are bounded by the pair timeout, 30 s). 60 s: a 256 MiB prompt takes ~1 s
+# even at a slow 0.3 GB/s.
+DEFAULT_PULL_TIMEOUT_S = 60.0
