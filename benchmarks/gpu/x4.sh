@@ -156,7 +156,7 @@ case $step in
   l)
     stream t bash -c "export CUDA_VISIBLE_DEVICES=0,1
       python3 benchmarks/research/transfer_sweep.py --sizes-mib 256,1024 --repeats 20 --configs 64:4,128:2,32:8 \
-        --env-configs 64:4,128:2,32:8 --nccl-env '' --nccl-env 'PDSERVE_NCCL_API=torch' \
+        --env-configs 64:4,128:2,32:8 --nccl-env '' --nccl-api auto --nccl-api torch \
         --variant-timeout-s 200 --out $out/sweep-api.json
       python3 benchmarks/transfer_bench.py --device cuda --sizes-mib 256,1024 --repeats 20 \
         --transports nccl --torch-profile $out/transfer-profile --out $out/transfer.json" ;;

@@ -3,8 +3,9 @@
     python benchmarks/research/transfer_sweep.py --out sweep.json
 
 Needs two GPUs (KV on cuda:0 -> cuda:1, Llama-3.1-8B shape, as transfer_bench.py). For each
-NCCL environment variant (`--nccl-env`, each run in fresh processes: NCCL reads its environment
-once per process) and each pair configuration (`--configs`, "BATCH_MIB:BUFFERS[:MIN_CHANNELS]";
+pair API (`--nccl-api`, the deployment's `kv.nccl_api`: direct ncclSend/ncclRecv or torch's
+ProcessGroupNCCL) and NCCL environment variant (`--nccl-env`; each variant runs in fresh
+processes: NCCL reads its environment once per process) and each pair configuration (`--configs`, "BATCH_MIB:BUFFERS[:MIN_CHANNELS]";
 MIN_CHANNELS is the pair's ncclConfig_t.minCTAs, 0 for NCCL's choice) and pull size
 (`--sizes-mib`), it times `--repeats` pulls after a warm-up and, just before them, a torch peer
 copy of the same bytes (the baseline of that row, same process and GPUs). Every row is
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/trans
 
 import transfer_bench as tb  # noqa: E402
 
+from pdserve.kv.transport.defaults import DEFAULT_NCCL_API, NCCL_API_CHOICES  # noqa: E402
 from pdserve.kv.transport.nccl import NcclSink  # noqa: E402
 
 DEFAULT_CONFIGS = "128:2,16:2,16:4,32:2,32:4,64:2,64:4,128:4,32:4:32,64:4:32"
@@ -116,8 +118,10 @@ def _run_config(args, bench, shape, config: PairConfig, sizes, env_label, pin) -
         address, source_path = bench.command(
             "source", config.batch_mib << 20, config.buffers, config.min_channels
         )
+        # The sink offers direct calls only with that API; the source picks it only where offered.
         sink = NcclSink(
-            shape.layout(), bench.dst_regions, engine_id="bench-sweep", cluster_token=tb.TOKEN, trace=True
+            shape.layout(), bench.dst_regions, engine_id="bench-sweep", cluster_token=tb.TOKEN, trace=True,
+            nccl_api=args.nccl_api[0] if args.nccl_api else DEFAULT_NCCL_API,
         )
         copy_path = f"{source_path}/{'triton' if sink._runs is not None else 'torch'}"
         for row in rows:
@@ -200,8 +204,13 @@ def print_summary(rows: list[Row]) -> None:
     print(f"{len(rows)} rows, {len(failed)} failed or unverified")
 
 
-def run_variant(args: argparse.Namespace, env_text: str, configs: str) -> list[Row]:
-    """One environment variant in a fresh interpreter (this script, --variant-child)."""
+def variant_label(env_text: str, api: str) -> str:
+    """A variant's name in the rows: its environment, and its pair API unless the default."""
+    return " ".join(filter(None, [env_text, "" if api == DEFAULT_NCCL_API else f"nccl_api={api}"]))
+
+
+def run_variant(args: argparse.Namespace, env_text: str, api: str, configs: str) -> list[Row]:
+    """One environment variant and pair API in a fresh interpreter (this script, --variant-child)."""
     variant = dict(item.split("=", 1) for item in shlex.split(env_text))
     env = {**os.environ, **variant, "NCCL_NVLS_ENABLE": "0"}  # NVLS stays off in every variant
     if args.nccl_log_dir:
@@ -211,7 +220,8 @@ def run_variant(args: argparse.Namespace, env_text: str, configs: str) -> list[R
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         command = [
-            sys.executable, __file__, "--variant-child", "--env-label", env_text, "--configs", configs,
+            sys.executable, __file__, "--variant-child", "--env-label", variant_label(env_text, api),
+            "--nccl-api", api, "--configs", configs,
             "--sizes-mib", args.sizes_mib, "--repeats", str(args.repeats), "--out", str(out),
             "--device", args.device,
         ]  # fmt: skip
@@ -222,7 +232,7 @@ def run_variant(args: argparse.Namespace, env_text: str, configs: str) -> list[R
             failure = f"variant process exceeded {args.variant_timeout_s} s"
         if failure is None:
             return [Row(**r) for r in json.loads(out.read_text())["rows"]]
-    return [Row(env_text, "*", 0, 0, 0, 0, error=failure)]
+    return [Row(variant_label(env_text, api), "*", 0, 0, 0, 0, error=failure)]
 
 
 def main() -> int:
@@ -237,7 +247,14 @@ def main() -> int:
         f"default: {DEFAULT_ENVS})",
     )
     parser.add_argument(
-        "--env-configs", default=DEFAULT_ENV_CONFIGS, help="configs run under the non-default envs"
+        "--nccl-api",
+        action="append",
+        choices=NCCL_API_CHOICES,
+        help=f"how the pairs send and receive (kv.nccl_api); repeatable, each run with every --nccl-env "
+        f"(default: {DEFAULT_NCCL_API})",
+    )
+    parser.add_argument(
+        "--env-configs", default=DEFAULT_ENV_CONFIGS, help="configs run under the non-default variants"
     )
     parser.add_argument("--nccl-log-dir", type=Path, help="NCCL_DEBUG=INFO logs per variant (channel counts)")
     parser.add_argument("--variant-timeout-s", type=int, default=420, help="per environment variant")
@@ -256,8 +273,10 @@ def main() -> int:
     print(f"{len(gpus)} GPUs: {gpus}; NCCL_NVLS_ENABLE=0 in every variant")
     print(HEADER, flush=True)
     rows: list[Row] = []
-    for env_text in args.nccl_env if args.nccl_env is not None else DEFAULT_ENVS:
-        rows += run_variant(args, env_text, args.configs if not env_text else args.env_configs)
+    for api in args.nccl_api or [DEFAULT_NCCL_API]:
+        for env_text in args.nccl_env if args.nccl_env is not None else DEFAULT_ENVS:
+            default = not variant_label(env_text, api)
+            rows += run_variant(args, env_text, api, args.configs if default else args.env_configs)
     print_summary(rows)
     if args.out:
         payload = {

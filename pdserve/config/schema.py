@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from pdserve.kv.transport.defaults import DEFAULT_LEASE_S
+from pdserve.kv.transport.defaults import DEFAULT_LEASE_S, DEFAULT_NCCL_API
 
 
 class _Section(BaseModel):
@@ -189,6 +189,12 @@ class KVTransferConfig(_Section):
     lease_s: float = Field(
         DEFAULT_LEASE_S, gt=0, description="Prefill blocks are freed if no decode engine pulls them "
         "in time.",
+    )
+    nccl_api: Literal["auto", "direct", "torch"] = Field(
+        DEFAULT_NCCL_API, description="How the 'nccl' transport's GPU pairs send and receive: "
+        "'direct' calls ncclSend/ncclRecv (a few microseconds of host time per operation), 'torch' "
+        "goes through torch's ProcessGroupNCCL, 'auto' is direct where the NCCL library loads and "
+        "torch otherwise. Pairs of CPU engines (gloo) always use torch's.",
     )
     failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="On a failed or timed-out transfer: recompute the prompt on the "

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.errors import ConfigError
-from pdserve.kv.transport.defaults import DEFAULT_LEASE_S, DEFAULT_PULL_TIMEOUT_S
+from pdserve.kv.transport.defaults import (
+    DEFAULT_LEASE_S, DEFAULT_NCCL_API, DEFAULT_PULL_TIMEOUT_S, NCCL_API_CHOICES,
+)
 
 __all__ = ["CONNECTOR_NAME", "ConnectorConfig", "kv_transfer_config", "vllm_kv_transfer_config"]
 
@@ -56,6 +58,7 @@ class ConnectorConfig:
     pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S
     idle_sleep_s: float = DEFAULT_IDLE_SLEEP_S
     model_id: str | None = None
+    nccl_api: str = DEFAULT_NCCL_API
 
     @property
     def is_producer(self) -> bool:
@@ -125,6 +128,10 @@ class ConnectorConfig:
             raise ConfigError(
                 f"kv_connector_extra_config.port must be 0 (any) or a TCP port, got {self.port!r}"
             )
+        if self.nccl_api not in NCCL_API_CHOICES:
+            raise ConfigError(
+                f"kv_connector_extra_config.nccl_api must be one of {NCCL_API_CHOICES}, got {self.nccl_api!r}"
+            )
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError("kv_connector_extra_config.host must be the address peers reach this engine at")
 
@@ -143,11 +150,13 @@ def kv_transfer_config(
     idle_sleep_s: float = DEFAULT_IDLE_SLEEP_S,
     model_id: str | None = None,
     engine_id: str | None = None,
+    nccl_api: str = DEFAULT_NCCL_API,
 ) -> dict[str, Any]:
     """vLLM's `kv_transfer_config` for one engine, as a plain dict (JSON-able, for the CLI too).
 
     `role`: "prefill", "decode" or "both" (or vLLM's kv_producer / kv_consumer / kv_both).
-    `host`: the address this engine's KV source advertises to decode engines. Validates
+    `host`: the address this engine's KV source advertises to decode engines. `nccl_api`: how
+    NCCL pairs send and receive (transport.defaults.NCCL_API_CHOICES). Validates
     everything now (ConfigError naming the field) rather than at engine start. Pure.
     """
     if role not in _ROLES:
@@ -163,6 +172,8 @@ def kv_transfer_config(
     }
     if idle_sleep_s != DEFAULT_IDLE_SLEEP_S:
         extra["idle_sleep_s"] = idle_sleep_s
+    if nccl_api != DEFAULT_NCCL_API:
+        extra["nccl_api"] = nccl_api
     if bind_host is not None:
         extra["bind_host"] = bind_host
     if model_id is not None:

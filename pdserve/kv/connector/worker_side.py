@@ -85,11 +85,8 @@ class NetworkTransports:
         from pdserve.kv.transport.grpc import GrpcSource
         from pdserve.kv.transport.nccl import NcclSource
 
-        cls = NcclSource if self.config.transport == "nccl" else GrpcSource
         port = self.config.port + tp_rank if self.config.port else 0  # one port per TP rank
-        return cls(
-            layout,
-            regions,
+        options = dict(
             engine_id=engine_id,
             cluster_token=self.config.cluster_token,
             on_release=on_release,
@@ -98,6 +95,9 @@ class NetworkTransports:
             port=port,
             advertise_host=self.config.host,
         )
+        if self.config.transport == "nccl":
+            return NcclSource(layout, regions, nccl_api=self.config.nccl_api, **options)
+        return GrpcSource(layout, regions, **options)
 
     def make_sink(
         self, transport: str, layout: KVLayoutSpec, regions: Sequence[BlockRegion], *, engine_id: str
@@ -106,14 +106,12 @@ class NetworkTransports:
         from pdserve.kv.transport.grpc import GrpcSink
         from pdserve.kv.transport.nccl import NcclSink
 
-        cls = NcclSink if transport == "nccl" else GrpcSink
-        return cls(
-            layout,
-            regions,
-            engine_id=engine_id,
-            cluster_token=self.config.cluster_token,
-            pull_timeout_s=self.config.pull_timeout_s,
+        options = dict(
+            engine_id=engine_id, cluster_token=self.config.cluster_token, pull_timeout_s=self.config.pull_timeout_s
         )
+        if transport == "nccl":
+            return NcclSink(layout, regions, nccl_api=self.config.nccl_api, **options)
+        return GrpcSink(layout, regions, **options)
 
 
 @dataclass(slots=True)

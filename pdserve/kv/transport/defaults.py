@@ -5,7 +5,7 @@ here. A light module (no torch, no grpc), so the config tree can import it.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_LEASE_S", "DEFAULT_PULL_TIMEOUT_S"]
+__all__ = ["DEFAULT_LEASE_S", "DEFAULT_NCCL_API", "DEFAULT_PULL_TIMEOUT_S", "NCCL_API_CHOICES"]
 
 # A pinned request's blocks are freed after this long even if no decode worker pulls them, so a
 # lost decode request cannot leak prefill KV. 30 s is ~100x a slow CPU pull of a long prompt.
@@ -14,3 +14,8 @@ DEFAULT_LEASE_S = 30.0
 # applies (NCCL pulls are bounded by the pair timeout, 30 s). 60 s: a 256 MiB prompt takes ~1 s
 # even at a slow 0.3 GB/s.
 DEFAULT_PULL_TIMEOUT_S = 60.0
+# How an NCCL pair sends and receives (nccl_pair.resolve_api): "direct" ncclSend/ncclRecv through
+# ctypes (a few microseconds of host time per op), "torch" a ProcessGroupNCCL, or "auto": direct
+# where the NCCL library loads, else torch. gloo pairs (CPU) always run torch's.
+NCCL_API_CHOICES = ("auto", "direct", "torch")
+DEFAULT_NCCL_API = "auto"

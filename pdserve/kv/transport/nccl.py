@@ -55,6 +55,7 @@ import torch.distributed as dist
 from pdserve.kv.proto import kv_transfer_pb2 as pb
 from pdserve.kv.transport import blocks, control, gpu_copy
 from pdserve.kv.transport.base import KVTransfer
+from pdserve.kv.transport.defaults import DEFAULT_NCCL_API
 from pdserve.kv.transport.errors import KVTransportError
 from pdserve.kv.transport.grpc import HANDSHAKE_TIMEOUT_S, GrpcSink, GrpcSource, SourceSession
 from pdserve.kv.transport.nccl_pair import (
@@ -112,7 +113,7 @@ class NcclSource(GrpcSource):
         staging_buffers: int = DEFAULT_STAGING_BUFFERS,
         nccl_min_channels: int = 0,
         pair_timeout_s: float = DEFAULT_PAIR_TIMEOUT_S,
-        nccl_api: str = "auto",
+        nccl_api: str = DEFAULT_NCCL_API,
         trace: bool = False,
         **grpc_options,
     ):
@@ -344,7 +345,7 @@ class NcclSink(GrpcSink):
         layout: KVLayoutSpec,
         regions: Sequence[BlockRegion],
         *,
-        nccl_api: str = "auto",
+        nccl_api: str = DEFAULT_NCCL_API,
         trace: bool = False,
         **grpc_options,
     ):

@@ -11,7 +11,8 @@ few microseconds of host time per op) or "torch" (a ProcessGroupNCCL). The sink 
 in SetupCommunicatorRequest.backend ("nccl+direct") when it can make direct calls; the source
 picks (`pair_api`) and names its choice in the settings ("nccl_api"); both ends then build the
 same kind of group. `resolve_api` turns an endpoint's `nccl_api` option ("auto", "direct",
-"torch"; PDSERVE_NCCL_API overrides "auto") into what it can actually use.
+"torch": the deployment's `kv.nccl_api`, carried by the connector's config) into what it can
+actually use.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import os
 import socket
 import threading
 import time
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.kv.transport import gpu_copy, nccl_direct
+from pdserve.kv.transport.defaults import NCCL_API_CHOICES
 from pdserve.kv.transport.errors import KVTransportError
 from pdserve.kv.transport.regions import BlockRegion
 
@@ -68,8 +69,6 @@ OPTIONAL_SETTINGS: dict[str, tuple[type, object]] = {
     "nccl_api": (str, "torch"),  # "direct" or "torch" (module docstring)
 }
 NCCL_APIS = ("direct", "torch")
-# Overrides an endpoint's nccl_api="auto" (benchmarks compare the two APIs in fresh processes).
-NCCL_API_ENV = "PDSERVE_NCCL_API"
 DIRECT_OFFER = "+direct"
 # Staging ring depth and NCCL channels a source may ask for.
 MAX_STAGING_BUFFERS = 16
@@ -87,12 +86,10 @@ def backend_for(regions: Sequence[BlockRegion]) -> tuple[str, torch.device]:
 
 def resolve_api(option: str, backend: str, min_channels: int = 0) -> str:
     """The pair API an endpoint uses: "torch" on gloo; for NCCL, `option` ("direct", "torch",
-    or "auto": PDSERVE_NCCL_API if set, else direct when the library loads and no NCCL channel
-    minimum is asked for, which only torch's group can set). Raises ValueError when "direct" is
-    asked for and cannot be had. Called once per endpoint."""
-    if option == "auto":
-        option = os.environ.get(NCCL_API_ENV) or "auto"
-    if option not in (*NCCL_APIS, "auto"):
+    or "auto": direct when the library loads and no NCCL channel minimum is asked for, which
+    only torch's group can set). Raises ValueError when "direct" is asked for and cannot be had.
+    Called once per endpoint."""
+    if option not in NCCL_API_CHOICES:
         raise ValueError(f"nccl_api must be auto, direct or torch, got {option!r}")
     if backend != "nccl":
         return "torch"

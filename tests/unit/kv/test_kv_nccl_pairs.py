@@ -11,7 +11,7 @@ from pdserve.kv.transport.base import TransferState
 from pdserve.kv.transport.errors import KVTransportError
 from pdserve.kv.transport.nccl import NcclSink, NcclSource, plan
 from pdserve.kv.transport.nccl_pair import (
-    NCCL_API_ENV, decode_settings, offered_backend, pair_api, resolve_api,
+    decode_settings, offered_backend, pair_api, resolve_api,
 )
 
 pytestmark = pytest.mark.unit
@@ -146,8 +146,7 @@ def test_a_sink_offers_direct_only_with_a_direct_api():
     assert offered_backend("gloo", "torch") == "gloo"
 
 
-def test_gloo_endpoints_always_use_torch_and_bad_options_are_refused(monkeypatch):
-    monkeypatch.setenv(NCCL_API_ENV, "direct")  # ignored off NCCL
+def test_gloo_endpoints_always_use_torch_and_bad_options_are_refused():
     assert resolve_api("auto", "gloo") == resolve_api("direct", "gloo") == "torch"
     with pytest.raises(ValueError, match="auto, direct or torch"):
         resolve_api("fast", "nccl")
@@ -155,7 +154,6 @@ def test_gloo_endpoints_always_use_torch_and_bad_options_are_refused(monkeypatch
 
 def test_nccl_api_without_a_usable_library_falls_back_to_torch_or_refuses_direct(monkeypatch):
     monkeypatch.setattr(nccl_direct, "available", lambda: False)
-    monkeypatch.delenv(NCCL_API_ENV, raising=False)
     assert resolve_api("auto", "nccl") == "torch"
     with pytest.raises(ValueError, match="cannot be used"):
         resolve_api("direct", "nccl")
@@ -164,8 +162,7 @@ def test_nccl_api_without_a_usable_library_falls_back_to_torch_or_refuses_direct
     assert resolve_api("auto", "nccl", min_channels=32) == "torch"  # only torch's group sets channels
     with pytest.raises(ValueError, match="nccl_min_channels"):
         resolve_api("direct", "nccl", min_channels=32)
-    monkeypatch.setenv(NCCL_API_ENV, "torch")
-    assert resolve_api("auto", "nccl") == "torch"
+    assert resolve_api("torch", "nccl") == "torch"
 
 
 def test_a_missing_nccl_library_is_a_clear_error_not_a_crash(monkeypatch):
