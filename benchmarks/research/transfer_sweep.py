@@ -5,13 +5,14 @@
 Needs two GPUs (KV on cuda:0 -> cuda:1, Llama-3.1-8B shape, as transfer_bench.py). For each
 pair API (`--nccl-api`, the deployment's `kv.nccl_api`: direct ncclSend/ncclRecv or torch's
 ProcessGroupNCCL) and NCCL environment variant (`--nccl-env`; each variant runs in fresh
-processes: NCCL reads its environment once per process) and each pair configuration (`--configs`, "BATCH_MIB:BUFFERS[:MIN_CHANNELS]";
-MIN_CHANNELS is the pair's ncclConfig_t.minCTAs, 0 for NCCL's choice) and pull size
-(`--sizes-mib`), it times `--repeats` pulls after a warm-up and, just before them, a torch peer
-copy of the same bytes (the baseline of that row, same process and GPUs). Every row is
-byte-verified (the last pull of each row lands in zeroed KV and is compared block by block). A
-configuration that fails is recorded with its error and the sweep goes on. The first
-configuration, 128:2, is the design before the ring (two 128 MiB buffers): the baseline.
+processes: NCCL reads its environment once per process), each pair configuration (`--configs`,
+"BATCH_MIB:BUFFERS[:MIN_CHANNELS]"; MIN_CHANNELS is the pair's ncclConfig_t.minCTAs, 0 for
+NCCL's choice) and each pull size (`--sizes-mib`), it times `--repeats` pulls after a warm-up
+and, just before them, a torch peer copy of the same bytes (the baseline of that row, same process
+and GPUs). Every row is byte-verified (the last pull of each row lands in zeroed KV and is
+compared block by block). A configuration that fails is recorded with its error and the sweep
+goes on. The first configuration, 128:2, is the design before the ring (two 128 MiB buffers):
+the baseline.
 
 Prints one table per variant and a summary (best configuration per size), and writes every row
 as JSON to `--out`. Not a test: nothing asserts on speed.

@@ -107,7 +107,9 @@ class NetworkTransports:
         from pdserve.kv.transport.nccl import NcclSink
 
         options = dict(
-            engine_id=engine_id, cluster_token=self.config.cluster_token, pull_timeout_s=self.config.pull_timeout_s
+            engine_id=engine_id,
+            cluster_token=self.config.cluster_token,
+            pull_timeout_s=self.config.pull_timeout_s,
         )
         if transport == "nccl":
             return NcclSink(layout, regions, nccl_api=self.config.nccl_api, **options)
