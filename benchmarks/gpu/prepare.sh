@@ -3,17 +3,14 @@
 #   benchmarks/gpu/prepare.sh [BUNDLE_DIR]
 # - gpumodel8b/: the Llama-3.1-8B-shaped model directory (make_model8b.py; no weights);
 # - .whl/: grpcio for CPython 3.12 (the generated gRPC code needs >= 1.85.1; hosts have 1.84);
-# - bundle0/ .. bundleN/: one part each of the vLLM 0.24 + Ray bundle from
-#   ../shared/gpu/build-bundle.sh (about 10 minutes; BUNDLE_DIR reuses parts built before).
+# - bundle0/ .. bundleN/: the vLLM 0.24 + Ray bundle from ../shared/gpu/build-bundle.sh (about
+#   10 minutes; BUNDLE_DIR reuses parts built before), cut again into 40 MB parts: a call carries
+#   the working tree (~8 MB) with one part, and a 55 MB part put the two over the device's 64 MiB.
 # All are git-ignored. Each device call carries one bundle folder and copies its part to /tmp/b/
-# (`mkdir -p /tmp/b && cp bundleK/part.* /tmp/b/`); benchmarks/gpu/env.sh (sourced by proof.sh,
-# x4.sh and tests/gpu/run.sh) unpacks /tmp/b on first use.
-# The working tree travels with every call, and with benchmarks/results/ (~110 MB) it is over
-# the device's 64 MiB: make the calls from a branch without it, and come back afterwards
-# (session 17):
-#   git checkout -b gpu-slim && git rm -r -q benchmarks/results && git commit -qm slim
-#   ... the device calls ...
-#   git checkout main && git branch -D gpu-slim
+# (`mkdir -p /tmp/b && cp bundleK/part.* /tmp/b/`), back to back (a machine goes back 30 s after a
+# call); benchmarks/gpu/env.sh (sourced by proof.sh, x4.sh and tests/gpu/run.sh) unpacks /tmp/b
+# on first use. The GPU tests, for example (2 x H200, 2026-11-29): calls carrying bundle0 ..
+# bundle4, then one carrying bundle5, .whl and gpumodel8b that runs `tests/gpu/run.sh`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bundle=${1:-}
@@ -25,9 +22,11 @@ if [[ -z $bundle ]]; then
   bundle=$(mktemp -d)
   ../shared/gpu/build-bundle.sh "$bundle"
 fi
+rm -rf bundle[0-9]*/
+cat "$bundle"/part.* | split -b 40M -d - part.
 i=0
-for part in "$bundle"/part.*; do
-  mkdir -p "bundle$i" && cp "$part" "bundle$i/"
+for part in part.*; do
+  mkdir -p "bundle$i" && mv "$part" "bundle$i/"
   i=$((i + 1))
 done
 echo "gpumodel8b/, .whl/ and bundle0..bundle$((i - 1))/ ready"
