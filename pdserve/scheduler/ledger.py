@@ -212,6 +212,8 @@ class RequestLedger:
               now: float, placement: Placement | None = None) -> Admission | Rejection:
         """Place a request and reserve its engines, or say why it cannot run now.
         `placement`: one decided elsewhere (a replayed trace, a scripted test), booked as is."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id} is already admitted")
         hashes = tuple(self._hashes(prompt_token_ids))
         if placement is None:
             placement = self.place(len(prompt_token_ids), max_tokens, hashes)

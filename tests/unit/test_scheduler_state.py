@@ -314,3 +314,14 @@ def test_prefill_load_is_at_least_the_measured_busy_share_when_the_model_oversta
     modelled = 10 * 2048 / (2 * 1e6)
     assert modelled < 0.05
     assert signals.prefill_utilization == pytest.approx(0.6, abs=0.02)
+
+
+def test_a_request_id_is_admitted_once_at_a_time():
+    ledger = RequestLedger(["colocated"], PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01),
+                           prefix_aware=False)
+    ledger.engines.add("colocated", "c0", 16, 1000)
+    first = ledger.admit("r", range(10), 4, now=0.0)
+    with pytest.raises(ValueError, match="already admitted"):
+        ledger.admit("r", range(10), 4, now=0.1)
+    ledger.request_finished(first, 0.2, 0, "abort")
+    assert ledger.admit("r", range(10), 4, now=0.3).request_id == "r"  # free again once finished
