@@ -71,7 +71,7 @@ class ModelConfig(_Section):
 
 
 class MockEngineConfig(_Section):
-    """Timings of the model-free mock engine (pdserve.testing), a simple latency model."""
+    """Timings of the model-free mock engine (pdserve.engine.mock_engine), a simple latency model."""
 
     prefill_tokens_per_s: float = Field(4000.0, gt=0, description="Prompt tokens prefilled per second.")
     decode_step_s: float = Field(0.01, ge=0, description="Time of one decode step at batch size 1.")
