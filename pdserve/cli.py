@@ -47,6 +47,7 @@ _SERVE_FLAGS: dict[str, str] = {
     "max_decode": "autoscale.decode.max_replicas",
     "max_gpus": "autoscale.max_gpus",
     "profile": "scheduler.profile",
+    "api_key": "api.api_keys",
 }
 
 
@@ -124,6 +125,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--profile", help="calibration JSON that seeds the performance model")
     p.add_argument("--ray-address", help="join this Ray cluster ('auto' for the local one)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="a key /v1 clients must send as 'Authorization: Bearer KEY' (repeatable)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field by dotted path, e.g. engine.max_num_seqs=32")
     p.set_defaults(handler=_serve)
@@ -134,7 +137,8 @@ def _add_config(sub: Any) -> None:
     csub = p.add_subparsers(title="config commands")
     schema = csub.add_parser("schema", help="print the JSON schema of the config file")
     schema.set_defaults(handler=_config_schema)
-    show = csub.add_parser("show", help="print the merged, validated config as YAML")
+    show = csub.add_parser("show", help="print the merged, validated config as YAML "
+                           "(secrets as '***')")
     show.add_argument("--config")
     show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     show.set_defaults(handler=_config_show)
@@ -178,7 +182,7 @@ def _config_show(args: argparse.Namespace) -> int:
     from pdserve.config import load_config, parse_set_options
 
     config = load_config(args.config, parse_set_options(args.set))
-    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    print(yaml.safe_dump(config.redacted(), sort_keys=False))
     return 0
 
 

@@ -17,6 +17,8 @@ import uvicorn
 import uvloop
 
 from pdserve.api.app import build_app
+from pdserve.api.guard import AccessPolicy
+from pdserve.config.loader import load_api_keys
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.config.schema import PdserveConfig, RayConfig
 from pdserve.models.embedded import ResolvedModel, resolve_model
@@ -34,6 +36,7 @@ def run_service(config: PdserveConfig) -> None:
 
 async def serve(config: PdserveConfig) -> None:
     started = time.perf_counter()
+    access = AccessPolicy(load_api_keys(config.api), config.api.metrics_api_key)
     model = await asyncio.to_thread(prepare_model, config)
     init_ray(config.ray)
     backend = None
@@ -43,7 +46,7 @@ async def serve(config: PdserveConfig) -> None:
         backend = await RayBackend.launch(config, model, metrics)
         tokenizer = await asyncio.to_thread(load_tokenizer, model.path, config)
         app = build_app(backend, tokenizer, model.served_name, config.api.max_queued_requests,
-                        config.api.default_max_tokens)
+                        config.api.default_max_tokens, access)
         server = uvicorn.Server(uvicorn.Config(
             app, host=config.api.host, port=config.api.port, log_level=config.api.log_level,
             loop="none", lifespan="on", timeout_graceful_shutdown=5,

@@ -6,7 +6,7 @@ status; nothing a client sends can take the server down. A client that goes away
 engine request: streams are cancelled by the server when the connection drops, and
 non-streaming requests are watched for disconnects while they run.
 
-Lifecycle: `build_app()` wires a backend in; the app's lifespan runs one background task that
+Every request first passes `api/guard.py` (API keys). Lifecycle: `build_app()` wires a backend in; the app's lifespan runs one background task that
 polls engine stats into the gauges, and cancels it on exit. The backend itself is owned (and
 shut down) by whoever built it (`pdserve.service`).
 """
@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.api.errors import OpenAIError, bad_request, internal, overloaded
+from pdserve.api.guard import AccessPolicy, HttpGuard
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.serving import OpenAIServing, PreparedRequest
@@ -40,7 +41,8 @@ _DISCONNECT_POLL_S = 0.25
 
 
 def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
-              max_queued_requests: int = 1024, default_max_tokens: int | None = None) -> FastAPI:
+              max_queued_requests: int = 1024, default_max_tokens: int | None = None,
+              access: AccessPolicy | None = None) -> FastAPI:
     # The backend's metrics: its request flow observes each request as the ledger timed it.
     metrics = backend.metrics
     serving = OpenAIServing(backend, tokenizer, served_name, default_max_tokens)
@@ -59,6 +61,8 @@ def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.metrics = metrics
     _install_error_handlers(app, metrics)
+    # Keys are checked before routing and before any body is read.
+    app.add_middleware(HttpGuard, policy=access or AccessPolicy())
 
     async def admitted(prepare: Callable[[], Awaitable[PreparedRequest]],
                        request: Request) -> Response:

@@ -18,7 +18,8 @@ class OpenAIError(Exception):
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
-                 retry_after_s: int | None = None) -> None:
+                 retry_after_s: int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -26,18 +27,27 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = dict(self.headers)
+        if self.retry_after_s:
+            headers["Retry-After"] = str(self.retry_after_s)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
     return OpenAIError(message, 400, "invalid_request_error", param, code)
+
+
+def unauthorized(message: str, code: str | None) -> OpenAIError:
+    """401 as OpenAI answers a missing or wrong key (the key itself is never echoed)."""
+    return OpenAIError(message, 401, "invalid_request_error", None, code,
+                       headers={"WWW-Authenticate": "Bearer"})
 
 
 def model_not_found(model: str) -> OpenAIError:

@@ -1,6 +1,8 @@
 """Configuration: one validated tree (`schema`), loaded from YAML plus overrides (`loader`)."""
 
-from pdserve.config.loader import config_json_schema, load_config, parse_set_options
+from pdserve.config.loader import (
+    config_json_schema, load_api_keys, load_config, parse_set_options,
+)
 from pdserve.config.schema import (
     ApiConfig,
     EngineConfig,
@@ -15,6 +17,6 @@ from pdserve.config.schema import (
 
 __all__ = [
     "ApiConfig", "EngineConfig", "ModelConfig", "PdserveConfig", "PoolConfig", "PoolRole",
-    "PoolsConfig", "RayConfig", "ServingMode", "config_json_schema", "load_config",
+    "PoolsConfig", "RayConfig", "ServingMode", "config_json_schema", "load_api_keys", "load_config",
     "parse_set_options",
 ]

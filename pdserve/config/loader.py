@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from pdserve.config.schema import PdserveConfig
+from pdserve.config.schema import ApiConfig, PdserveConfig
 from pdserve.errors import ConfigError
 
 
@@ -41,6 +41,28 @@ def parse_set_options(items: Iterable[str]) -> dict[str, Any]:
             raise ConfigError(f"--set expects KEY=VALUE with a dotted key, got {item!r}")
         overrides[key.strip()] = yaml.safe_load(raw) if raw else None
     return overrides
+
+
+def load_api_keys(api: ApiConfig) -> tuple[str, ...]:
+    """The API keys of `api.api_keys` and of `api.api_key_file` (one a line; blank lines and
+    '#' comments skipped). Errors name the file and the line, never a key."""
+    keys = list(api.api_keys)
+    if api.api_key_file is not None:
+        path = api.api_key_file.expanduser()
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as e:
+            raise ConfigError(f"api.api_key_file {path}: {e.strerror or e}") from None
+        for number, line in enumerate(lines, 1):
+            key = line.strip()
+            if not key or key.startswith("#"):
+                continue
+            if any(c.isspace() for c in key):
+                raise ConfigError(f"api.api_key_file {path} line {number}: a key holds whitespace")
+            keys.append(key)
+        if len(keys) == len(api.api_keys):
+            raise ConfigError(f"api.api_key_file {path} holds no key")
+    return tuple(keys)
 
 
 def config_json_schema() -> str:

@@ -14,7 +14,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from pdserve.kv.transport.defaults import DEFAULT_LEASE_S, DEFAULT_NCCL_API
 
@@ -301,6 +301,26 @@ class ApiConfig(_Section):
         "timeout of whatever reuses connections in front (load balancers: 60 s): a connection the "
         "server closes just as a client reuses it fails that request ('Server disconnected').",
     )
+    api_keys: tuple[str, ...] = Field(
+        (), description="Keys clients must send as 'Authorization: Bearer KEY' on every /v1 route "
+        "(any one of them); none (and no api_key_file): the API is open. /health is always open.",
+    )
+    api_key_file: Path | None = Field(
+        None, description="A file of more API keys, one per line (blank lines and lines starting "
+        "with '#' are skipped); read when the server starts.",
+    )
+    metrics_api_key: str | None = Field(
+        None, description="Key /metrics asks for as 'Authorization: Bearer KEY'; None: /metrics "
+        "is open (the API keys do not open it).",
+    )
+
+    @field_validator("api_keys", "metrics_api_key")
+    @classmethod
+    def _check_keys(cls, value: Any) -> Any:
+        for key in (value,) if isinstance(value, str) else value or ():
+            if not key or key != key.strip() or any(c.isspace() for c in key):
+                raise ValueError("an API key must be non-empty and hold no whitespace")
+        return value
 
 
 class RayConfig(_Section):
@@ -315,6 +335,11 @@ class RayConfig(_Section):
         256 * 1024**2, ge=75 * 1024**2,
         description="Local Ray only: object store size; tokens, not tensors, cross it.",
     )
+
+
+# Dotted paths of the fields that hold secrets: `PdserveConfig.redacted()` shows them as "***".
+SECRET_FIELDS: tuple[str, ...] = ("api.api_keys", "api.metrics_api_key", "kv.cluster_token")
+REDACTED = "***"
 
 
 class PdserveConfig(_Section):
@@ -333,6 +358,21 @@ class PdserveConfig(_Section):
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+
+    def redacted(self) -> dict[str, Any]:
+        """The tree as JSON values, every secret (SECRET_FIELDS) replaced by "***"."""
+        tree = self.model_dump(mode="json")
+        for dotted in SECRET_FIELDS:
+            *parents, leaf = dotted.split(".")
+            node = tree
+            for part in parents:
+                node = node[part]
+            value = node[leaf]
+            if isinstance(value, list):
+                node[leaf] = [REDACTED] * len(value)
+            elif value is not None:
+                node[leaf] = REDACTED
+        return tree
 
     def active_roles(self) -> tuple[PoolRole, ...]:
         if self.mode is ServingMode.COLOCATED:

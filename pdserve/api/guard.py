@@ -1,0 +1,104 @@
+"""The HTTP guard: what every request passes before the app reads a byte of its body.
+
+A pure ASGI middleware in front of the FastAPI app. It runs per request, before routing and
+body parsing, so a client without a key cannot make the server parse anything:
+
+- `/v1/...` needs `Authorization: Bearer <key>` when API keys are configured;
+- `/metrics` needs its own key when one is configured; `/health` is always open.
+
+Refusals leave as OpenAI-style bodies (401 with `WWW-Authenticate: Bearer`); keys are never
+logged nor echoed. `AccessPolicy.check` is the decision, a function of plain values.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pdserve.api.errors import OpenAIError, unauthorized
+
+logger = logging.getLogger(__name__)
+
+_MISSING_KEY = ("You didn't provide an API key. Send it in an Authorization header: "
+                "'Authorization: Bearer YOUR_KEY'.")
+_WRONG_KEY = "Incorrect API key provided."
+
+
+@dataclass(frozen=True, slots=True)
+class AccessPolicy:
+    """Who may call what. No API key: the API is open (as without a guard)."""
+
+    api_keys: tuple[str, ...] = ()
+    metrics_api_key: str | None = None
+
+    def check(self, path: str, authorization: bytes | None) -> OpenAIError | None:
+        """None if a request for `path` with this Authorization header may go on, else the
+        refusal to send."""
+        if path == "/v1" or path.startswith("/v1/"):
+            keys = self.api_keys
+        elif path == "/metrics":
+            keys = (self.metrics_api_key,) if self.metrics_api_key else ()
+        else:
+            return None
+        if not keys:
+            return None
+        token = _bearer_token(authorization)
+        if token is None:
+            return unauthorized(_MISSING_KEY, None)
+        if not _matches_any(token, keys):
+            return unauthorized(_WRONG_KEY, "invalid_api_key")
+        return None
+
+
+class HttpGuard:
+    """ASGI middleware applying an `AccessPolicy` to every HTTP request."""
+
+    def __init__(self, app: ASGIApp, policy: AccessPolicy) -> None:
+        self._app = app
+        self._policy = policy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        refusal = self._policy.check(scope["path"], _header(scope, b"authorization"))
+        if refusal is not None:
+            # Who and what, never the key the client sent.
+            logger.info("refused %s %s from %s: %s", scope["method"], scope["path"],
+                        _client(scope), refusal.code or "missing_api_key")
+            await refusal.response()(scope, receive, send)
+            return
+        await self._app(scope, receive, send)
+
+
+def _bearer_token(authorization: bytes | None) -> bytes | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(b" ")
+    if scheme.lower() != b"bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _matches_any(token: bytes, keys: tuple[str, ...]) -> bool:
+    # Every key is compared, each in constant time: how long the check takes says nothing
+    # about which key (nor how much of one) the token matched.
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(token, key.encode())
+    return matched
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "?"
