@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fpdserve/kv/v1/kv_transfer.proto\x12\rpdserve.kv.v1\"\x87\x01\n\nLayoutSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tkv_layout\x18\x04 \x01(\t\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x12\n\nnum_layers\x18\x07 \x01(\r\"F\n\nRegionInfo\x12\x13\n\x0b\x62lock_shape\x18\x01 \x03(\r\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_nbytes\x18\x03 \x01(\x04\"\x90\x01\n\x10HandshakeRequest\x12\x14\n\x0cwire_version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.pdserve.kv.v1.LayoutSpec\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x13\n\x0btoken_proof\x18\x05 \x01(\x0c\"\xd1\x01\n\x11HandshakeResponse\x12\x14\n\x0cwire_version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.pdserve.kv.v1.LayoutSpec\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12*\n\x07regions\x18\x06 \x03(\x0b\x32\x19.pdserve.kv.v1.RegionInfo\x12\x13\n\x0btoken_proof\x18\x07 \x01(\x0c\"j\n\x11PullBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x04\x12\x15\n\rrelease_after\x18\x04 \x01(\x08\"U\n\nBlockChunk\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_offset\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_count\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"<\n\x18SetupCommunicatorRequest\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\"B\n\x19SetupCommunicatorResponse\x12\x15\n\rstore_address\x18\x01 \x01(\t\x12\x0e\n\x06params\x18\x02 \x01(\x0c\x32\xdb\x02\n\nKVTransfer\x12N\n\tHandshake\x12\x1f.pdserve.kv.v1.HandshakeRequest\x1a .pdserve.kv.v1.HandshakeResponse\x12K\n\nPullBlocks\x12 .pdserve.kv.v1.PullBlocksRequest\x1a\x19.pdserve.kv.v1.BlockChunk0\x01\x12H\n\x07Release\x12\x1d.pdserve.kv.v1.ReleaseRequest\x1a\x1e.pdserve.kv.v1.ReleaseResponse\x12\x66\n\x11SetupCommunicator\x12\'.pdserve.kv.v1.SetupCommunicatorRequest\x1a(.pdserve.kv.v1.SetupCommunicatorResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fpdserve/kv/v1/kv_transfer.proto\x12\rpdserve.kv.v1\"\x87\x01\n\nLayoutSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tkv_layout\x18\x04 \x01(\t\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x12\n\nnum_layers\x18\x07 \x01(\r\"F\n\nRegionInfo\x12\x13\n\x0b\x62lock_shape\x18\x01 \x03(\r\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_nbytes\x18\x03 \x01(\x04\";\n\x10\x43hallengeRequest\x12\x14\n\x0cwire_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\"K\n\x11\x43hallengeResponse\x12\x14\n\x0cwire_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0c\"\xbc\x01\n\x10HandshakeRequest\x12\x14\n\x0cwire_version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.pdserve.kv.v1.LayoutSpec\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x13\n\x0btoken_proof\x18\x05 \x01(\x0c\x12\x14\n\x0cserver_nonce\x18\x06 \x01(\x0c\x12\x14\n\x0c\x63lient_nonce\x18\x07 \x01(\x0c\"\xd1\x01\n\x11HandshakeResponse\x12\x14\n\x0cwire_version\x18\x01 \x01(\r\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.pdserve.kv.v1.LayoutSpec\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12*\n\x07regions\x18\x06 \x03(\x0b\x32\x19.pdserve.kv.v1.RegionInfo\x12\x13\n\x0btoken_proof\x18\x07 \x01(\x0c\"j\n\x11PullBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x04\x12\x15\n\rrelease_after\x18\x04 \x01(\x08\"U\n\nBlockChunk\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_offset\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_count\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"<\n\x18SetupCommunicatorRequest\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\"B\n\x19SetupCommunicatorResponse\x12\x15\n\rstore_address\x18\x01 \x01(\t\x12\x0e\n\x06params\x18\x02 \x01(\x0c\x32\xab\x03\n\nKVTransfer\x12N\n\tChallenge\x12\x1f.pdserve.kv.v1.ChallengeRequest\x1a .pdserve.kv.v1.ChallengeResponse\x12N\n\tHandshake\x12\x1f.pdserve.kv.v1.HandshakeRequest\x1a .pdserve.kv.v1.HandshakeResponse\x12K\n\nPullBlocks\x12 .pdserve.kv.v1.PullBlocksRequest\x1a\x19.pdserve.kv.v1.BlockChunk0\x01\x12H\n\x07Release\x12\x1d.pdserve.kv.v1.ReleaseRequest\x1a\x1e.pdserve.kv.v1.ReleaseResponse\x12\x66\n\x11SetupCommunicator\x12\'.pdserve.kv.v1.SetupCommunicatorRequest\x1a(.pdserve.kv.v1.SetupCommunicatorResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,22 +35,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYOUTSPEC']._serialized_end=186
   _globals['_REGIONINFO']._serialized_start=188
   _globals['_REGIONINFO']._serialized_end=258
-  _globals['_HANDSHAKEREQUEST']._serialized_start=261
-  _globals['_HANDSHAKEREQUEST']._serialized_end=405
-  _globals['_HANDSHAKERESPONSE']._serialized_start=408
-  _globals['_HANDSHAKERESPONSE']._serialized_end=617
-  _globals['_PULLBLOCKSREQUEST']._serialized_start=619
-  _globals['_PULLBLOCKSREQUEST']._serialized_end=725
-  _globals['_BLOCKCHUNK']._serialized_start=727
-  _globals['_BLOCKCHUNK']._serialized_end=812
-  _globals['_RELEASEREQUEST']._serialized_start=814
-  _globals['_RELEASEREQUEST']._serialized_end=850
-  _globals['_RELEASERESPONSE']._serialized_start=852
-  _globals['_RELEASERESPONSE']._serialized_end=887
-  _globals['_SETUPCOMMUNICATORREQUEST']._serialized_start=889
-  _globals['_SETUPCOMMUNICATORREQUEST']._serialized_end=949
-  _globals['_SETUPCOMMUNICATORRESPONSE']._serialized_start=951
-  _globals['_SETUPCOMMUNICATORRESPONSE']._serialized_end=1017
-  _globals['_KVTRANSFER']._serialized_start=1020
-  _globals['_KVTRANSFER']._serialized_end=1367
+  _globals['_CHALLENGEREQUEST']._serialized_start=260
+  _globals['_CHALLENGEREQUEST']._serialized_end=319
+  _globals['_CHALLENGERESPONSE']._serialized_start=321
+  _globals['_CHALLENGERESPONSE']._serialized_end=396
+  _globals['_HANDSHAKEREQUEST']._serialized_start=399
+  _globals['_HANDSHAKEREQUEST']._serialized_end=587
+  _globals['_HANDSHAKERESPONSE']._serialized_start=590
+  _globals['_HANDSHAKERESPONSE']._serialized_end=799
+  _globals['_PULLBLOCKSREQUEST']._serialized_start=801
+  _globals['_PULLBLOCKSREQUEST']._serialized_end=907
+  _globals['_BLOCKCHUNK']._serialized_start=909
+  _globals['_BLOCKCHUNK']._serialized_end=994
+  _globals['_RELEASEREQUEST']._serialized_start=996
+  _globals['_RELEASEREQUEST']._serialized_end=1032
+  _globals['_RELEASERESPONSE']._serialized_start=1034
+  _globals['_RELEASERESPONSE']._serialized_end=1069
+  _globals['_SETUPCOMMUNICATORREQUEST']._serialized_start=1071
+  _globals['_SETUPCOMMUNICATORREQUEST']._serialized_end=1131
+  _globals['_SETUPCOMMUNICATORRESPONSE']._serialized_start=1133
+  _globals['_SETUPCOMMUNICATORRESPONSE']._serialized_end=1199
+  _globals['_KVTRANSFER']._serialized_start=1202
+  _globals['_KVTRANSFER']._serialized_end=1629
 # @@protoc_insertion_point(module_scope)

@@ -34,19 +34,41 @@ class RegionInfo(_message.Message):
     block_nbytes: int
     def __init__(self, block_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
 
+class ChallengeRequest(_message.Message):
+    __slots__ = ("wire_version", "engine_id")
+    WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    wire_version: int
+    engine_id: str
+    def __init__(self, wire_version: _Optional[int] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class ChallengeResponse(_message.Message):
+    __slots__ = ("wire_version", "engine_id", "nonce")
+    WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    wire_version: int
+    engine_id: str
+    nonce: bytes
+    def __init__(self, wire_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
 class HandshakeRequest(_message.Message):
-    __slots__ = ("wire_version", "compat_hash", "layout", "engine_id", "token_proof")
+    __slots__ = ("wire_version", "compat_hash", "layout", "engine_id", "token_proof", "server_nonce", "client_nonce")
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_PROOF_FIELD_NUMBER: _ClassVar[int]
+    SERVER_NONCE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NONCE_FIELD_NUMBER: _ClassVar[int]
     wire_version: int
     compat_hash: str
     layout: LayoutSpec
     engine_id: str
     token_proof: bytes
-    def __init__(self, wire_version: _Optional[int] = ..., compat_hash: _Optional[str] = ..., layout: _Optional[_Union[LayoutSpec, _Mapping]] = ..., engine_id: _Optional[str] = ..., token_proof: _Optional[bytes] = ...) -> None: ...
+    server_nonce: bytes
+    client_nonce: bytes
+    def __init__(self, wire_version: _Optional[int] = ..., compat_hash: _Optional[str] = ..., layout: _Optional[_Union[LayoutSpec, _Mapping]] = ..., engine_id: _Optional[str] = ..., token_proof: _Optional[bytes] = ..., server_nonce: _Optional[bytes] = ..., client_nonce: _Optional[bytes] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("wire_version", "compat_hash", "layout", "engine_id", "session_id", "regions", "token_proof")

@@ -34,6 +34,11 @@ class KVTransferStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Challenge = channel.unary_unary(
+                '/pdserve.kv.v1.KVTransfer/Challenge',
+                request_serializer=pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.ChallengeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.ChallengeResponse.FromString,
+                _registered_method=True)
         self.Handshake = channel.unary_unary(
                 '/pdserve.kv.v1.KVTransfer/Handshake',
                 request_serializer=pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.SerializeToString,
@@ -58,6 +63,13 @@ class KVTransferStub:
 
 class KVTransferServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Challenge(self, request, context):
+        """Issues a single-use nonce for the Handshake that follows on the same connection.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Handshake(self, request, context):
         """Authenticates the client and checks that both engines lay out KV the same way.
@@ -90,6 +102,11 @@ class KVTransferServicer:
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Challenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Challenge,
+                    request_deserializer=pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.ChallengeRequest.FromString,
+                    response_serializer=pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.ChallengeResponse.SerializeToString,
+            ),
             'Handshake': grpc.unary_unary_rpc_method_handler(
                     servicer.Handshake,
                     request_deserializer=pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.HandshakeRequest.FromString,
@@ -120,6 +137,33 @@ def add_KVTransferServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class KVTransfer:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Challenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.kv.v1.KVTransfer/Challenge',
+            pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.ChallengeRequest.SerializeToString,
+            pdserve_dot_kv_dot_v1_dot_kv__transfer__pb2.ChallengeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Handshake(request,

@@ -13,8 +13,9 @@ Transfer failures never raise into the caller: they end the handle in FAILED wit
 and the caller applies its policy (recompute or fail the request). Control-plane calls such as
 `BlockSink.handshake` do raise `KVTransportError`s (errors.py).
 
-Every transport checks `WIRE_VERSION`, the cluster token and the `KVLayoutSpec` compatibility hash
-at handshake (handshake.py), and refuses a mismatch with a message that names what differs. What
+Every transport checks `WIRE_VERSION`, the cluster token (a challenge-response proof, mutual) and
+the `KVLayoutSpec` compatibility hash at handshake (handshake.py), and refuses a mismatch with a
+message that names what differs. What
 the blocks are (layout, regions) lives in regions.py, which heads.py builds on.
 """
 
@@ -29,9 +30,14 @@ from typing import Self
 
 from pdserve.kv.transport import heads
 from pdserve.kv.transport.defaults import DEFAULT_LEASE_S
-from pdserve.kv.transport.handshake import WIRE_VERSION, PeerHello, PeerInfo, make_hello, verify_hello
+from pdserve.kv.transport.errors import AuthenticationError
+from pdserve.kv.transport.handshake import (
+    NONCE_BYTES, WIRE_VERSION, Challenge, PeerHello, PeerInfo, Transcript, check_version, make_hello,
+    new_nonce, verify_hello,
+)
 from pdserve.kv.transport.leases import PinTable, ReleaseReason
 from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec, RegionInfo, check_regions
+from pdserve.kv.transport.sessions import ChallengeTable
 
 __all__ = [
     "BlockSink",
@@ -157,6 +163,7 @@ class BlockSource(ABC):
         self._cluster_token = cluster_token
         self._lease_s = lease_s
         self._pins = PinTable(on_release)
+        self._challenges = ChallengeTable()
         self._views: dict[tuple[int, int], tuple[BlockRegion, ...]] = {}
 
     @property
@@ -219,13 +226,26 @@ class BlockSource(ABC):
             self._views[key] = heads.peer_regions(self.regions, self.layout, peer)
         return self._views[key]
 
-    def accept_hello(self, hello: PeerHello) -> PeerHello:
-        """Checks a sink's hello and answers with this source's; raises KVTransportError.
+    def issue_challenge(self, wire_version: int, peer_engine_id: str, peer: str) -> Challenge:
+        """A fresh single-use nonce for the handshake that `peer` (the connection's name) sends
+        next; raises WireVersionError when the sink speaks another version. Called by the
+        transport's server side once per handshake, before `accept_hello`."""
+        check_version(wire_version, peer_engine_id, self.wire_version)
+        return Challenge(self.wire_version, self.engine_id, self._challenges.issue(peer))
 
-        Called by the transport's server side once per handshake.
-        """
-        verify_hello(self.layout, self._cluster_token, "client", hello, self.wire_version)
-        return make_hello(self.layout, self._cluster_token, "server", self.engine_id, self.wire_version)
+    def accept_hello(
+        self, hello: PeerHello, server_nonce: bytes, client_nonce: bytes, peer: str
+    ) -> PeerHello:
+        """Checks a sink's hello (version, then the challenge it answers, then its proof and
+        layout) and answers with this source's, proved over the same transcript; raises
+        KVTransportError. Called by the transport's server side once per handshake."""
+        check_version(hello.wire_version, hello.engine_id, self.wire_version)
+        self._challenges.redeem(server_nonce, peer)
+        if len(client_nonce) != NONCE_BYTES:
+            raise AuthenticationError(f"peer {hello.engine_id!r} refused: malformed client nonce")
+        transcript = Transcript(hello.engine_id, self.engine_id, server_nonce, client_nonce)
+        verify_hello(self.layout, self._cluster_token, "client", hello, self.wire_version, transcript)
+        return make_hello(self.layout, self._cluster_token, "server", self.wire_version, transcript)
 
     def __enter__(self) -> Self:
         return self
@@ -324,15 +344,22 @@ class BlockSink(ABC):
             self._views[key] = heads.peer_regions(self.regions, self.layout, peer)
         return self._views[key]
 
-    def _verify_source(self, address: str, hello: PeerHello, regions: Sequence[RegionInfo]) -> PeerInfo:
+    def _verify_source(
+        self, address: str, hello: PeerHello, regions: Sequence[RegionInfo], transcript: Transcript
+    ) -> PeerInfo:
         """Checks the source's half of a handshake (`regions`: what the source moves for this
         sink); shared by every sink."""
-        verify_hello(self.layout, self._cluster_token, "server", hello, self.wire_version)
+        verify_hello(self.layout, self._cluster_token, "server", hello, self.wire_version, transcript)
         check_regions([r.info() for r in self.regions_for(hello.layout)], regions)
         return PeerInfo(address, hello.engine_id, hello.layout, tuple(regions))
 
-    def _hello(self) -> PeerHello:
-        return make_hello(self.layout, self._cluster_token, "client", self.engine_id, self.wire_version)
+    def _hello(self, challenge: Challenge) -> tuple[PeerHello, Transcript]:
+        """This sink's answer to a source's challenge (raises WireVersionError when the source
+        speaks another version), and the transcript the source's answer must prove."""
+        check_version(challenge.wire_version, challenge.engine_id, self.wire_version)
+        transcript = Transcript(self.engine_id, challenge.engine_id, challenge.nonce, new_nonce())
+        hello = make_hello(self.layout, self._cluster_token, "client", self.wire_version, transcript)
+        return hello, transcript
 
     def __enter__(self) -> Self:
         return self

@@ -112,8 +112,12 @@ class FakeSink(BlockSink):
     def handshake(self, remote_address: str) -> PeerInfo:
         """Checks a source exactly as the real transports do; raises KVTransportError."""
         source = self._fabric.lookup(remote_address)
-        reply = source.accept_hello(self._hello())
-        return self._verify_source(remote_address, reply, [r.info() for r in source.regions_for(self.layout)])
+        peer = f"fake:{id(self)}"
+        challenge = source.issue_challenge(self.wire_version, self.engine_id, peer)
+        hello, transcript = self._hello(challenge)
+        reply = source.accept_hello(hello, transcript.server_nonce, transcript.client_nonce, peer)
+        regions = [r.info() for r in source.regions_for(self.layout)]
+        return self._verify_source(remote_address, reply, regions, transcript)
 
     def release_remote(self, remote_address: str, request_id: str) -> None:
         """Unpins on the source at once; an unreachable source is ignored (its lease covers it)."""

@@ -6,18 +6,19 @@ Sink (decode worker): `start_pull` queues the pull on a small thread pool and re
 each pull handshakes once per source address (cached session), then reads one server stream of
 large chunks and writes each chunk straight into its destination blocks.
 
-Security: every peer proves the shared cluster token (HMAC, constant-time compare) at handshake
-and gets a session id that later calls must carry. Only protobuf crosses the wire; block bytes
-are copied into tensors, never unpickled. The channel itself is plaintext (no TLS yet).
+Security: a sink first asks for a Challenge (a fresh nonce bound to its connection), then both
+sides prove the shared cluster token over both nonces and engine ids at Handshake (HMAC,
+constant-time compare; handshake.py), so a recorded handshake replayed is refused. The sink gets
+a session id that later calls must carry, valid only from the connection that handshook
+(sessions.py). Only protobuf crosses the wire; block bytes are copied into tensors, never
+unpickled. The channel itself is plaintext (no TLS yet).
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import socket
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -30,9 +31,10 @@ from pdserve.kv.proto import kv_transfer_pb2_grpc as pb_grpc
 from pdserve.kv.transport import blocks, wire
 from pdserve.kv.transport.base import BlockSink, BlockSource, KVTransfer, ReleaseCallback
 from pdserve.kv.transport.defaults import DEFAULT_LEASE_S, DEFAULT_PULL_TIMEOUT_S
-from pdserve.kv.transport.errors import KVTransportError
+from pdserve.kv.transport.errors import KVTransportError, WireVersionError
 from pdserve.kv.transport.handshake import PeerInfo
 from pdserve.kv.transport.regions import MAX_BLOCK_NBYTES, BlockRegion, KVLayoutSpec
+from pdserve.kv.transport.sessions import Session, SessionTable
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +59,6 @@ DEFAULT_SERVER_THREADS = 8
 DEFAULT_PULL_THREADS = 4
 # Handshake is one small round trip; longer than this means the source is unreachable.
 HANDSHAKE_TIMEOUT_S = 5.0
-# Sessions kept per source (oldest dropped first); one per sink process it ever talked to.
-MAX_SESSIONS = 4096
 
 
 class GrpcSource(BlockSource):
@@ -88,8 +88,7 @@ class GrpcSource(BlockSource):
             on_release=on_release,
             lease_s=lease_s,
         )
-        self._sessions: OrderedDict[str, KVLayoutSpec] = OrderedDict()  # session id -> peer layout
-        self._sessions_lock = threading.Lock()
+        self.sessions = SessionTable()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=server_threads, thread_name_prefix="kv-grpc-server"),
             options=_CHANNEL_OPTIONS,
@@ -116,21 +115,6 @@ class GrpcSource(BlockSource):
             self._server.stop(grace=None).wait(timeout=5.0)
         finally:
             self._pins.close()
-
-    def open_session(self, peer: KVLayoutSpec) -> str:
-        """Server thread, once per accepted handshake: a fresh session id for the peer."""
-        session_id = secrets.token_hex(16)
-        with self._sessions_lock:
-            self._sessions[session_id] = peer
-            while len(self._sessions) > MAX_SESSIONS:
-                self._sessions.popitem(last=False)
-        return session_id
-
-    def session_peer(self, session_id: str | None) -> KVLayoutSpec | None:
-        """Server thread, once per call after Handshake: the caller's layout, or None when it
-        did not handshake."""
-        with self._sessions_lock:
-            return self._sessions.get(session_id) if session_id is not None else None
 
     def serve_setup_communicator(
         self, pair_id: str, backend: str, regions: Sequence[BlockRegion]
@@ -171,24 +155,33 @@ class _Servicer(pb_grpc.KVTransferServicer):
     def __init__(self, source: GrpcSource):
         self._source = source
 
+    def Challenge(self, request: pb.ChallengeRequest, context: grpc.ServicerContext) -> pb.ChallengeResponse:
+        """Once per handshake: a nonce for this connection's Handshake; refuses another version."""
+        try:
+            challenge = self._source.issue_challenge(
+                request.wire_version, request.engine_id, context.peer()
+            )
+        except KVTransportError as exc:
+            self._refuse(context, exc)
+        return wire.challenge_to_response(challenge)
+
     def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext) -> pb.HandshakeResponse:
         """Once per sink and source: checks the sink's hello; refusals carry the reason."""
+        hello = wire.hello_from_message(request)
         try:
-            reply = self._source.accept_hello(wire.hello_from_message(request))
+            nonces = (request.server_nonce, request.client_nonce)
+            reply = self._source.accept_hello(hello, *nonces, context.peer())
         except KVTransportError as exc:
-            code, trailing = wire.refusal_status(exc)
-            context.set_trailing_metadata(trailing)
-            context.abort(code, str(exc))
-        peer = wire.layout_from_proto(request.layout)
-        session_id = self._source.open_session(peer)
-        regions = [r.info() for r in self._source.regions_for(peer)]
-        return wire.hello_to_response(reply, session_id, regions)
+            self._refuse(context, exc)
+        session = self._source.sessions.open(context.peer(), hello.engine_id, hello.layout)
+        regions = [r.info() for r in self._source.regions_for(hello.layout)]
+        return wire.hello_to_response(reply, session.session_id, regions)
 
     def PullBlocks(
         self, request: pb.PullBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.BlockChunk]:
         """Once per gRPC pull: streams the chunks; holds a server thread for the whole stream."""
-        regions = self._source.regions_for(self._require_session(context))
+        regions = self._source.regions_for(self._require_session(context).layout)
         block_ids = list(request.block_ids)
         try:
             self._source.open_read(request.request_id, block_ids)
@@ -206,25 +199,35 @@ class _Servicer(pb_grpc.KVTransferServicer):
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         """When a sink gives up on a request, or one of several sink ranks reading it is done:
         unpins it once every such rank released (fires on_release with REMOTE)."""
-        peer = self._require_session(context)
+        peer = self._require_session(context).layout
         return pb.ReleaseResponse(released=self._source.release_by_peer(request.request_id, peer))
 
     def SetupCommunicator(
         self, request: pb.SetupCommunicatorRequest, context: grpc.ServicerContext
     ) -> pb.SetupCommunicatorResponse:
         """Once per NCCL pair: delegates to the source (UNIMPLEMENTED on a plain GrpcSource)."""
-        regions = self._source.regions_for(self._require_session(context))
+        regions = self._source.regions_for(self._require_session(context).layout)
         store_address, params = self._call(
             context, self._source.serve_setup_communicator, request.pair_id, request.backend, regions
         )
         return pb.SetupCommunicatorResponse(store_address=store_address, params=params)
 
-    def _require_session(self, context: grpc.ServicerContext) -> KVLayoutSpec:
-        """The caller's layout from its session; aborts the call when it has none."""
-        peer = self._source.session_peer(dict(context.invocation_metadata()).get(wire.SESSION_KEY))
-        if peer is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "no valid session: handshake first")
-        return peer
+    def _require_session(self, context: grpc.ServicerContext) -> Session:
+        """The caller's session; aborts the call when it has none on this connection."""
+        session_id = dict(context.invocation_metadata()).get(wire.SESSION_KEY)
+        session = self._source.sessions.get(session_id, context.peer())
+        if session is None:
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "no valid session on this connection: handshake first"
+            )
+        return session
+
+    @staticmethod
+    def _refuse(context: grpc.ServicerContext, error: KVTransportError) -> None:
+        """Aborts a handshake call with the refusal's status and trailing metadata."""
+        code, trailing = wire.refusal_status(error)
+        context.set_trailing_metadata(trailing)
+        context.abort(code, str(error))
 
     @staticmethod
     def _call(context: grpc.ServicerContext, method, *args):
@@ -337,12 +340,21 @@ class GrpcSink(BlockSink):
     def _run(self, transfer: KVTransfer, src: list[int], dst: list[int], release: bool) -> None:
         address = transfer.remote_address
         try:
-            session = self.session(address)
-            transfer.set_transferring()
-            self._pull(session, transfer, src, dst, release)
+            for attempt in range(2):
+                session = self.session(address)
+                transfer.set_transferring()
+                try:
+                    self._pull(session, transfer, src, dst, release)
+                    break
+                except grpc.RpcError as exc:
+                    # A session is bound to its connection: after a reconnect (or a source
+                    # restart) it is refused. Handshake again and retry once, if nothing moved.
+                    if exc.code() != grpc.StatusCode.UNAUTHENTICATED:
+                        raise
+                    self.forget(address)
+                    if attempt or transfer.bytes_moved:
+                        raise
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                self.forget(address)
             transfer.finish(str(wire.error_from_rpc(exc, address)))
         except Exception as exc:  # noqa: BLE001 - the contract: failures are state, not exceptions
             transfer.finish(str(exc) or type(exc).__name__)
@@ -414,13 +426,26 @@ class GrpcSink(BlockSink):
             return self._channels[address]
 
     def _handshake(self, address: str) -> SourceSession:
+        """Challenge, then Handshake, on the channel later calls use (the session is bound to
+        its connection). Raises KVTransportError naming what was refused."""
         stub = pb_grpc.KVTransferStub(self._channel(address))
+        asked = pb.ChallengeRequest(wire_version=self.wire_version, engine_id=self.engine_id)
         try:
-            response = stub.Handshake(wire.hello_to_request(self._hello()), timeout=HANDSHAKE_TIMEOUT_S)
+            challenge = wire.challenge_from_response(stub.Challenge(asked, timeout=HANDSHAKE_TIMEOUT_S))
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise WireVersionError(
+                    f"wire version mismatch: this side speaks {self.wire_version}, the source at "
+                    f"{address} an older one (it has no Challenge call)"
+                ) from None
+            raise wire.error_from_rpc(exc, address) from None
+        request, transcript = self._hello(challenge)
+        try:
+            response = stub.Handshake(wire.hello_to_request(request, transcript), timeout=HANDSHAKE_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise wire.error_from_rpc(exc, address) from None
         hello = wire.hello_from_message(response)
-        info = self._verify_source(address, hello, wire.regions_from_response(response))
+        info = self._verify_source(address, hello, wire.regions_from_response(response), transcript)
         metadata = ((wire.SESSION_KEY, response.session_id),)
         return SourceSession(info, stub, metadata, self.regions_for(hello.layout))
 

@@ -1,15 +1,22 @@
-"""The handshake every transport runs before moving blocks: wire version, cluster-token proof and
-KV layout compatibility, checked on both sides.
+"""The handshake every transport runs before moving blocks: wire version, a challenge-response
+cluster-token proof, and KV layout compatibility, checked on both sides.
 
-A sink sends its `PeerHello`; the source checks it (`verify_hello`) and answers with its own,
-which the sink checks the same way. A mismatch is refused with a `KVTransportError` that says
-which field differs. Pure functions and values; the transports carry them (wire.py for gRPC).
+A sink asks for a `Challenge` (the source's engine id, wire version and a fresh random nonce,
+single use: sessions.ChallengeTable), then sends its `PeerHello`, whose proof is an HMAC of the
+cluster token over a `Transcript` (both engine ids, the source's nonce and one of the sink's own).
+The source checks it (`verify_hello`) and answers with its own hello, proved over the same
+transcript, which the sink checks the same way. So two handshakes never carry the same proofs, a
+recorded one replayed is refused (its nonce was used), and the raw token never crosses the wire.
+A mismatch is refused with a `KVTransportError` that says which field differs. Pure functions and
+values; the transports carry them (wire.py for gRPC).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
+import struct
 from dataclasses import dataclass
 
 from pdserve.kv.transport import heads
@@ -17,11 +24,16 @@ from pdserve.kv.transport.errors import AuthenticationError, IncompatiblePeerErr
 from pdserve.kv.transport.regions import COMPAT_FIELDS, KVLayoutSpec, RegionInfo
 
 __all__ = [
+    "NONCE_BYTES",
     "WIRE_VERSION",
+    "Challenge",
     "PeerHello",
     "PeerInfo",
+    "Transcript",
     "check_compatible",
+    "check_version",
     "make_hello",
+    "new_nonce",
     "token_proof",
     "verify_hello",
 ]
@@ -33,7 +45,16 @@ __all__ = [
 #    and a pull moves the head slice both ranks hold (heads.py).
 # 4: an NCCL sink may offer "nccl+direct" in SetupCommunicatorRequest.backend and the source
 #    names the pair's API in its settings (nccl_pair); a v3 source would refuse that offer.
-WIRE_VERSION = 4
+# 5: challenge-response handshake (the Challenge RPC; HandshakeRequest carries both nonces and
+#    the proofs cover them and both engine ids), so a recorded handshake cannot be replayed.
+WIRE_VERSION = 5
+# 32 bytes (256 bits) of randomness per nonce: never repeats in practice, cheap to send.
+NONCE_BYTES = 32
+
+
+def new_nonce() -> bytes:
+    """A fresh random nonce; one per challenge and one per sink hello."""
+    return secrets.token_bytes(NONCE_BYTES)
 
 
 def check_compatible(local: KVLayoutSpec, remote: KVLayoutSpec) -> None:
@@ -44,6 +65,29 @@ def check_compatible(local: KVLayoutSpec, remote: KVLayoutSpec) -> None:
         if mine != theirs:
             raise IncompatiblePeerError(name, mine, theirs)
     heads.check_tp(local, remote)
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """What a source issues before a handshake: who it is, which version it speaks, the nonce."""
+
+    wire_version: int
+    engine_id: str
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Transcript:
+    """What both proofs of one handshake cover; both sides build the same one."""
+
+    client_engine_id: str
+    server_engine_id: str
+    server_nonce: bytes
+    client_nonce: bytes
+
+    def engine_id(self, role: str) -> str:
+        """The engine id of the side speaking as `role` ("client" or "server")."""
+        return self.client_engine_id if role == "client" else self.server_engine_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,35 +111,58 @@ class PeerInfo:
     regions: tuple[RegionInfo, ...]
 
 
-def token_proof(cluster_token: str, role: str, wire_version: int, engine_id: str) -> bytes:
-    """HMAC of the cluster token over who is speaking; the raw token never crosses the wire.
+def token_proof(cluster_token: str, role: str, wire_version: int, transcript: Transcript) -> bytes:
+    """HMAC of the cluster token over who is speaking, in which handshake; the raw token never
+    crosses the wire.
 
-    `role` ("client" or "server") keeps one side's proof from being replayed as the other's.
+    `role` ("client" or "server") keeps one side's proof from being replayed as the other's; the
+    transcript's nonces keep it from being replayed in another handshake. Each field is
+    length-prefixed, so no two transcripts encode alike.
     """
-    message = f"pdserve.kv|{role}|{wire_version}|{engine_id}".encode()
+    parts = (
+        b"pdserve.kv",
+        role.encode(),
+        str(wire_version).encode(),
+        transcript.client_engine_id.encode(),
+        transcript.server_engine_id.encode(),
+        transcript.server_nonce,
+        transcript.client_nonce,
+    )
+    message = b"".join(struct.pack("!I", len(part)) + part for part in parts)
     return hmac.new(cluster_token.encode(), message, hashlib.sha256).digest()
 
 
 def make_hello(
-    layout: KVLayoutSpec, cluster_token: str, role: str, engine_id: str, version: int
+    layout: KVLayoutSpec, cluster_token: str, role: str, version: int, transcript: Transcript
 ) -> PeerHello:
     """Builds this side's half of a handshake; called once per handshake."""
-    proof = token_proof(cluster_token, role, version, engine_id)
-    return PeerHello(version, layout.compat_hash(), layout, engine_id, proof)
+    proof = token_proof(cluster_token, role, version, transcript)
+    return PeerHello(version, layout.compat_hash(), layout, transcript.engine_id(role), proof)
 
 
-def verify_hello(local: KVLayoutSpec, cluster_token: str, role: str, hello: PeerHello, version: int) -> None:
+def check_version(theirs: int, peer_engine_id: str, version: int) -> None:
+    """Raises WireVersionError naming both versions when they differ."""
+    if theirs != version:
+        raise WireVersionError(
+            f"wire version mismatch: this side speaks {version}, peer {peer_engine_id!r} speaks {theirs}"
+        )
+
+
+def verify_hello(
+    local: KVLayoutSpec,
+    cluster_token: str,
+    role: str,
+    hello: PeerHello,
+    version: int,
+    transcript: Transcript,
+) -> None:
     """Checks a peer's hello: wire version, then token, then layout. Raises a KVTransportError.
 
     Called by every transport on both sides of a handshake; `role` is the peer's role.
     """
-    if hello.wire_version != version:
-        raise WireVersionError(
-            f"wire version mismatch: this side speaks {version}, "
-            f"peer {hello.engine_id!r} speaks {hello.wire_version}"
-        )
-    expected = token_proof(cluster_token, role, hello.wire_version, hello.engine_id)
-    if not hmac.compare_digest(expected, hello.token_proof):
+    check_version(hello.wire_version, hello.engine_id, version)
+    expected = token_proof(cluster_token, role, hello.wire_version, transcript)
+    if hello.engine_id != transcript.engine_id(role) or not hmac.compare_digest(expected, hello.token_proof):
         raise AuthenticationError(f"peer {hello.engine_id!r} refused: cluster token does not match")
     if hello.compat_hash != local.compat_hash():
         check_compatible(local, hello.layout)

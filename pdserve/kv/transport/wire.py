@@ -18,7 +18,7 @@ from pdserve.kv.transport.errors import (
     KVTransportError,
     WireVersionError,
 )
-from pdserve.kv.transport.handshake import PeerHello
+from pdserve.kv.transport.handshake import Challenge, PeerHello, Transcript
 from pdserve.kv.transport.regions import KVLayoutSpec, RegionInfo
 
 # Metadata keys; gRPC requires lower case. The session key rides on every call after Handshake.
@@ -59,14 +59,28 @@ def layout_from_proto(message: pb.LayoutSpec) -> KVLayoutSpec:
     )
 
 
-def hello_to_request(hello: PeerHello) -> pb.HandshakeRequest:
-    """A sink's hello as the Handshake request."""
+def challenge_to_response(challenge: Challenge) -> pb.ChallengeResponse:
+    """A source's challenge as the Challenge response."""
+    return pb.ChallengeResponse(
+        wire_version=challenge.wire_version, engine_id=challenge.engine_id, nonce=challenge.nonce
+    )
+
+
+def challenge_from_response(message: pb.ChallengeResponse) -> Challenge:
+    """The challenge a source issued."""
+    return Challenge(message.wire_version, message.engine_id, message.nonce)
+
+
+def hello_to_request(hello: PeerHello, transcript: Transcript) -> pb.HandshakeRequest:
+    """A sink's hello, answering the challenge in `transcript`, as the Handshake request."""
     return pb.HandshakeRequest(
         wire_version=hello.wire_version,
         compat_hash=hello.compat_hash,
         layout=layout_to_proto(hello.layout),
         engine_id=hello.engine_id,
         token_proof=hello.token_proof,
+        server_nonce=transcript.server_nonce,
+        client_nonce=transcript.client_nonce,
     )
 
 

@@ -1,4 +1,5 @@
-"""gRPC-specific security: every data call needs a session from an accepted handshake."""
+"""gRPC-specific security: a challenge-response handshake that cannot be replayed, and sessions
+that every data call needs, valid only from the connection that handshook."""
 
 from __future__ import annotations
 
@@ -10,16 +11,32 @@ from pdserve.kv.proto import kv_transfer_pb2 as pb
 from pdserve.kv.proto import kv_transfer_pb2_grpc as pb_grpc
 from pdserve.kv.transport import wire
 from pdserve.kv.transport.grpc import GrpcSource
-from pdserve.kv.transport.handshake import WIRE_VERSION, make_hello
+from pdserve.kv.transport.handshake import WIRE_VERSION, Transcript, make_hello, new_nonce
 
 pytestmark = pytest.mark.unit
+
+
+def own_connection(address: str) -> grpc.Channel:
+    """A channel with its own TCP connection (channels of one process share one by default)."""
+    return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def handshake(
+    stub: pb_grpc.KVTransferStub, *, version: int = WIRE_VERSION, engine_id: str = "decode-0"
+) -> tuple[pb.HandshakeRequest, pb.HandshakeResponse]:
+    """A sink's Challenge and Handshake, by hand: the request sent and the reply."""
+    asked = pb.ChallengeRequest(wire_version=version, engine_id=engine_id)
+    challenge = wire.challenge_from_response(stub.Challenge(asked, timeout=5))
+    transcript = Transcript(engine_id, challenge.engine_id, challenge.nonce, new_nonce())
+    request = wire.hello_to_request(make_hello(LAYOUT, TOKEN, "client", version, transcript), transcript)
+    return request, stub.Handshake(request, timeout=5)
 
 
 @pytest.fixture
 def source_stub():
     source = GrpcSource(LAYOUT, kv_regions(4, seed=1), engine_id="prefill-0", cluster_token=TOKEN)
     source.pin("req-1", [1])
-    channel = grpc.insecure_channel(source.address)
+    channel = own_connection(source.address)
     yield source, pb_grpc.KVTransferStub(channel)
     channel.close()
     source.close()
@@ -38,20 +55,70 @@ def test_pull_without_a_session_is_refused(source_stub):
     assert source.pinned_blocks("req-1") == (1,)
 
 
+def test_two_handshakes_carry_different_proofs(source_stub):
+    _, stub = source_stub
+    first, first_reply = handshake(stub)
+    second, second_reply = handshake(stub)
+
+    assert first.token_proof != second.token_proof
+    assert first_reply.token_proof != second_reply.token_proof
+    assert first_reply.session_id != second_reply.session_id
+    assert TOKEN.encode() not in first.SerializeToString() + first_reply.SerializeToString()
+
+
+def test_a_replayed_handshake_is_refused_and_opens_no_session(source_stub):
+    source, stub = source_stub
+    recorded, _ = handshake(stub)
+    attacker = own_connection(source.address)
+    try:
+        for replay_stub in (pb_grpc.KVTransferStub(attacker), stub):  # another connection, then the same
+            with pytest.raises(grpc.RpcError) as refused:
+                replay_stub.Handshake(recorded, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "replayed handshake" in refused.value.details()
+    finally:
+        attacker.close()
+    assert source.pinned_blocks("req-1") == (1,)
+
+
+def test_a_session_id_is_refused_from_another_connection(source_stub):
+    source, stub = source_stub
+    _, reply = handshake(stub)
+    metadata = ((wire.SESSION_KEY, reply.session_id),)
+    thief = own_connection(source.address)
+    try:
+        request = pb.PullBlocksRequest(request_id="req-1", block_ids=[1], release_after=True)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(pb_grpc.KVTransferStub(thief).PullBlocks(request, timeout=5, metadata=metadata))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        thief.close()
+    assert source.pinned_blocks("req-1") == (1,)
+    assert len(list(stub.PullBlocks(request, timeout=5, metadata=metadata))) > 0  # the owner may
+    assert source.pinned_blocks("req-1") is None
+
+
 def test_refused_handshake_names_the_problem_in_its_status(source_stub):
     _, stub = source_stub
-    hello = make_hello(LAYOUT, TOKEN, "client", "decode-0", WIRE_VERSION + 7)
     with pytest.raises(grpc.RpcError) as refused:
-        stub.Handshake(wire.hello_to_request(hello), timeout=5)
+        stub.Challenge(pb.ChallengeRequest(wire_version=WIRE_VERSION + 7, engine_id="decode-0"), timeout=5)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"peer 'decode-0' speaks {WIRE_VERSION + 7}" in refused.value.details()
 
 
+def test_a_peer_of_the_last_version_is_refused_by_version_not_by_the_missing_challenge(source_stub):
+    _, stub = source_stub
+    old = pb.HandshakeRequest(wire_version=WIRE_VERSION - 1, engine_id="decode-0", token_proof=b"x" * 32)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Handshake(old, timeout=5)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    expected = f"this side speaks {WIRE_VERSION}, peer 'decode-0' speaks {WIRE_VERSION - 1}"
+    assert expected in refused.value.details()
+
+
 def test_plain_grpc_source_does_not_serve_the_nccl_side_channel(source_stub):
     _, stub = source_stub
-    reply = stub.Handshake(
-        wire.hello_to_request(make_hello(LAYOUT, TOKEN, "client", "d", WIRE_VERSION)), timeout=5
-    )
+    _, reply = handshake(stub)
     metadata = ((wire.SESSION_KEY, reply.session_id),)
     with pytest.raises(grpc.RpcError) as refused:
         stub.SetupCommunicator(

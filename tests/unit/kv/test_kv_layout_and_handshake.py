@@ -9,12 +9,15 @@ import torch
 
 from pdserve.kv.transport.base import KVTransfer, TransferState
 from pdserve.kv.transport.errors import AuthenticationError, IncompatiblePeerError, WireVersionError
-from pdserve.kv.transport.handshake import WIRE_VERSION, check_compatible, make_hello, verify_hello
+from pdserve.kv.transport.handshake import (
+    WIRE_VERSION, Transcript, check_compatible, make_hello, new_nonce, verify_hello,
+)
 from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec, check_regions
 
 pytestmark = pytest.mark.unit
 
 LLAMA = KVLayoutSpec("meta-llama/Llama-3.1-8B", "bfloat16", 16, "flash_attn:[2,nb,bs,h,d]", 2, 1, 32)
+TRANSCRIPT = Transcript("decode-1", "prefill-1", new_nonce(), new_nonce())
 
 
 def test_compat_hash_is_stable_across_releases():
@@ -60,20 +63,33 @@ def test_block_shape_excludes_the_block_dim():
 
 
 def test_hello_checks_version_then_token_then_layout():
-    hello = make_hello(LLAMA, "secret", "client", "decode-1", WIRE_VERSION)
-    verify_hello(LLAMA, "secret", "client", hello, WIRE_VERSION)
+    hello = make_hello(LLAMA, "secret", "client", WIRE_VERSION, TRANSCRIPT)
+    verify_hello(LLAMA, "secret", "client", hello, WIRE_VERSION, TRANSCRIPT)
     with pytest.raises(WireVersionError):
-        verify_hello(LLAMA, "secret", "client", hello, WIRE_VERSION + 1)
+        verify_hello(LLAMA, "secret", "client", hello, WIRE_VERSION + 1, TRANSCRIPT)
     with pytest.raises(AuthenticationError):
-        verify_hello(LLAMA, "other", "client", hello, WIRE_VERSION)
+        verify_hello(LLAMA, "other", "client", hello, WIRE_VERSION, TRANSCRIPT)
     with pytest.raises(IncompatiblePeerError, match="tp_rank"):
-        verify_hello(dataclasses.replace(LLAMA, tp_rank=0), "secret", "client", hello, WIRE_VERSION)
+        other_rank = dataclasses.replace(LLAMA, tp_rank=0)
+        verify_hello(other_rank, "secret", "client", hello, WIRE_VERSION, TRANSCRIPT)
 
 
 def test_a_proof_is_not_valid_for_the_other_role():
-    server_hello = make_hello(LLAMA, "secret", "server", "prefill-1", WIRE_VERSION)
+    server_hello = make_hello(LLAMA, "secret", "server", WIRE_VERSION, TRANSCRIPT)
     with pytest.raises(AuthenticationError):
-        verify_hello(LLAMA, "secret", "client", server_hello, WIRE_VERSION)
+        verify_hello(LLAMA, "secret", "client", server_hello, WIRE_VERSION, TRANSCRIPT)
+
+
+@pytest.mark.parametrize("field", ["client_engine_id", "server_engine_id", "server_nonce", "client_nonce"])
+def test_a_proof_is_valid_for_its_own_handshake_only(field):
+    hello = make_hello(LLAMA, "secret", "client", WIRE_VERSION, TRANSCRIPT)
+    value = getattr(TRANSCRIPT, field)
+    changed = new_nonce() if isinstance(value, bytes) else value + "x"
+    other = dataclasses.replace(TRANSCRIPT, **{field: changed})
+
+    assert make_hello(LLAMA, "secret", "client", WIRE_VERSION, other).token_proof != hello.token_proof
+    with pytest.raises(AuthenticationError):
+        verify_hello(LLAMA, "secret", "client", hello, WIRE_VERSION, other)
 
 
 def test_transfer_handle_ends_once():
