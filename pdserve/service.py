@@ -17,7 +17,7 @@ import uvicorn
 import uvloop
 
 from pdserve.api.app import build_app
-from pdserve.api.guard import AccessPolicy
+from pdserve.api.guard import AccessPolicy, RequestLimits
 from pdserve.config.loader import load_api_keys
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.config.schema import PdserveConfig, RayConfig
@@ -46,7 +46,8 @@ async def serve(config: PdserveConfig) -> None:
         backend = await RayBackend.launch(config, model, metrics)
         tokenizer = await asyncio.to_thread(load_tokenizer, model.path, config)
         app = build_app(backend, tokenizer, model.served_name, config.api.max_queued_requests,
-                        config.api.default_max_tokens, access)
+                        config.api.default_max_tokens, access,
+                        RequestLimits(config.api.max_body_bytes))
         server = uvicorn.Server(uvicorn.Config(
             app, host=config.api.host, port=config.api.port, log_level=config.api.log_level,
             loop="none", lifespan="on", timeout_graceful_shutdown=5,

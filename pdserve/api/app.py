@@ -6,7 +6,7 @@ status; nothing a client sends can take the server down. A client that goes away
 engine request: streams are cancelled by the server when the connection drops, and
 non-streaming requests are watched for disconnects while they run.
 
-Every request first passes `api/guard.py` (API keys). Lifecycle: `build_app()` wires a backend in; the app's lifespan runs one background task that
+Every request first passes `api/guard.py` (API keys, body limit). Lifecycle: `build_app()` wires a backend in; the app's lifespan runs one background task that
 polls engine stats into the gauges, and cancels it on exit. The backend itself is owned (and
 shut down) by whoever built it (`pdserve.service`).
 """
@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.api.errors import OpenAIError, bad_request, internal, overloaded
-from pdserve.api.guard import AccessPolicy, HttpGuard
+from pdserve.api.guard import AccessPolicy, HttpGuard, RequestLimits
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.serving import OpenAIServing, PreparedRequest
@@ -42,7 +43,8 @@ _DISCONNECT_POLL_S = 0.25
 
 def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
               max_queued_requests: int = 1024, default_max_tokens: int | None = None,
-              access: AccessPolicy | None = None) -> FastAPI:
+              access: AccessPolicy | None = None,
+              limits: RequestLimits | None = None) -> FastAPI:
     # The backend's metrics: its request flow observes each request as the ledger timed it.
     metrics = backend.metrics
     serving = OpenAIServing(backend, tokenizer, served_name, default_max_tokens)
@@ -61,8 +63,8 @@ def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.metrics = metrics
     _install_error_handlers(app, metrics)
-    # Keys are checked before routing and before any body is read.
-    app.add_middleware(HttpGuard, policy=access or AccessPolicy())
+    # Keys and the body limit are checked before routing and before any body is parsed.
+    app.add_middleware(HttpGuard, policy=access or AccessPolicy(), limits=limits or RequestLimits())
 
     async def admitted(prepare: Callable[[], Awaitable[PreparedRequest]],
                        request: Request) -> Response:
@@ -196,10 +198,14 @@ def _install_error_handlers(app: FastAPI, metrics: ServingMetrics) -> None:
         return OpenAIError(str(exc.detail), exc.status_code, kind).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error while serving a request")
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        # The traceback goes to the log under an id the client can quote; the body holds
+        # nothing of the server's insides.
+        error_id = uuid.uuid4().hex[:12]
+        logger.exception("unhandled error %s while serving %s %s", error_id, request.method,
+                         request.url.path)
         metrics.rejected.labels("500").inc()
-        return internal(f"internal error: {type(exc).__name__}").response()
+        return internal(f"The server failed to handle the request (error id {error_id}).").response()
 
 
 def _describe_validation(exc: RequestValidationError) -> OpenAIError:

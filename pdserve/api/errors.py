@@ -50,6 +50,13 @@ def unauthorized(message: str, code: str | None) -> OpenAIError:
                        headers={"WWW-Authenticate": "Bearer"})
 
 
+def too_large(limit_bytes: int) -> OpenAIError:
+    """413 before the body is parsed; the connection closes (the rest of the body is not read)."""
+    return OpenAIError(f"The request body is larger than this server's limit of {limit_bytes} "
+                       "bytes.", 413, "invalid_request_error", None, "request_too_large",
+                       headers={"Connection": "close"})
+
+
 def model_not_found(model: str) -> OpenAIError:
     return OpenAIError(
         f"The model `{model}` does not exist.", 404, "invalid_request_error", "model",

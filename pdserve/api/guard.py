@@ -4,10 +4,14 @@ A pure ASGI middleware in front of the FastAPI app. It runs per request, before 
 body parsing, so a client without a key cannot make the server parse anything:
 
 - `/v1/...` needs `Authorization: Bearer <key>` when API keys are configured;
-- `/metrics` needs its own key when one is configured; `/health` is always open.
+- `/metrics` needs its own key when one is configured; `/health` is always open;
+- a body over `RequestLimits.max_body_bytes` gets 413: at once when its Content-Length says
+  so, else as soon as the bytes read pass the limit (chunked uploads). The guard reads the body
+  (the app would read it whole anyway) and hands it on.
 
-Refusals leave as OpenAI-style bodies (401 with `WWW-Authenticate: Bearer`); keys are never
-logged nor echoed. `AccessPolicy.check` is the decision, a function of plain values.
+Refusals leave as OpenAI-style bodies (401 with `WWW-Authenticate: Bearer`, 413 closing the
+connection); keys are never logged nor echoed. `AccessPolicy.check` is the decision, a
+function of plain values.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ import hmac
 import logging
 from dataclasses import dataclass
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.api.errors import OpenAIError, unauthorized
+from pdserve.api.errors import OpenAIError, too_large, unauthorized
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +57,21 @@ class AccessPolicy:
         return None
 
 
-class HttpGuard:
-    """ASGI middleware applying an `AccessPolicy` to every HTTP request."""
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one request may cost the server before the app sees it."""
 
-    def __init__(self, app: ASGIApp, policy: AccessPolicy) -> None:
+    # 8 MiB: a full 128k-token context as text is ~0.5 MiB, as a JSON token-id list ~1 MiB.
+    max_body_bytes: int = 8 * 1024**2
+
+
+class HttpGuard:
+    """ASGI middleware applying an `AccessPolicy` and `RequestLimits` to every HTTP request."""
+
+    def __init__(self, app: ASGIApp, policy: AccessPolicy, limits: RequestLimits) -> None:
         self._app = app
         self._policy = policy
+        self._limits = limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -71,7 +84,48 @@ class HttpGuard:
                         _client(scope), refusal.code or "missing_api_key")
             await refusal.response()(scope, receive, send)
             return
-        await self._app(scope, receive, send)
+        body = await self._read_body(scope, receive)
+        if isinstance(body, OpenAIError):
+            logger.info("refused %s %s from %s: %s", scope["method"], scope["path"],
+                        _client(scope), body.code)
+            await body.response()(scope, receive, send)
+            return
+        if body is None:
+            return  # the client left while sending; nobody to answer
+        await self._app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | OpenAIError | None:
+        limit = self._limits.max_body_bytes
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return too_large(limit)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the app the body already read, then whatever the server says next
+    (a disconnect)."""
+    delivered = False
+
+    async def replayed() -> Message:
+        nonlocal delivered
+        if delivered:
+            return await receive()
+        delivered = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
 
 
 def _bearer_token(authorization: bytes | None) -> bytes | None:

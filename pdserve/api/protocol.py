@@ -8,7 +8,7 @@ Unknown fields are ignored, as OpenAI-compatible servers commonly do.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -22,6 +22,16 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_text_that_is_not_unicode(cls, data: Any) -> Any:
+        # JSON may escape a lone UTF-16 surrogate ("\ud800"); no tokenizer nor UTF-8 encoder
+        # takes one, so it is refused here, before any of it is echoed or tokenized.
+        if _holds_lone_surrogate(data):
+            raise ValueError("The request holds text that is not valid Unicode (a lone UTF-16 "
+                             "surrogate such as \\ud800); send UTF-8 text.")
+        return data
+
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -66,6 +76,26 @@ class _SamplingFields(_Request):
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _holds_lone_surrogate(data: Any) -> bool:
+    """Whether any string (value or key) in a parsed JSON tree cannot be encoded as UTF-8.
+    Iterative: a deeply nested body must not exhaust the stack."""
+    pending = [data]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return False
 
 
 class CompletionRequest(_SamplingFields):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +25,8 @@ from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.engine.types import GenerateDelta, GenerateRequest, SamplingOptions
 from pdserve.errors import EngineRequestError, EngineUnavailableError, OverloadedError
 from pdserve.serving.backend import EngineBackend
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -115,9 +118,15 @@ class OpenAIServing:
                 async for delta in deltas:
                     yield delta
         except EngineUnavailableError as e:
-            raise unavailable(str(e)) from e
+            logger.warning("request %s: its engine became unavailable: %s", request.request_id, e)
+            raise unavailable("The engine serving this request became unavailable; retry the "
+                              f"request (request id {request.request_id}).") from e
         except EngineRequestError as e:
-            raise internal(f"request {request.request_id} failed in its engine: {e}") from e
+            # The detail (engine and actor names, Ray's error text) is for the operator's log;
+            # the client learns what it can act on and the id to quote.
+            logger.error("request %s failed in its engine: %s", request.request_id, e)
+            raise internal("The engine serving this request died or failed; retry the request "
+                           f"(request id {request.request_id}).") from e
 
     def _prepare(self, kind: str, prefix: str, body: Any, ids: list[int],
                  max_tokens: int | None) -> PreparedRequest:

@@ -314,6 +314,12 @@ class ApiConfig(_Section):
         "is open (the API keys do not open it).",
     )
 
+    max_body_bytes: int = Field(
+        8 * 1024**2, ge=1024, description="Largest request body accepted; larger ones get 413 "
+        "before they are parsed. 8 MiB holds a 128k-token context as text (~0.5 MiB) or as a "
+        "JSON list of token ids (~1 MiB) with room to spare.",
+    )
+
     @field_validator("api_keys", "metrics_api_key")
     @classmethod
     def _check_keys(cls, value: Any) -> Any:

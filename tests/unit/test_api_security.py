@@ -132,3 +132,91 @@ def test_config_show_redacts_every_secret(capsys):
     for secret in ("sk-a", "sk-b", "m-secret", "kv-secret"):
         assert secret not in shown
     assert shown.count("***") == 4
+
+
+# --- hostile input ---------------------------------------------------------------------------
+
+LIMIT = 4096
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_parsed(serve):
+    from pdserve.api.guard import RequestLimits
+
+    client = serve(limits=RequestLimits(max_body_bytes=LIMIT))
+    big = {**COMPLETION, "prompt": "hello " * LIMIT}
+    r = client.post("/v1/completions", json=big)
+    error = assert_openai_error(r, 413, "request_too_large")
+    assert str(LIMIT) in error["message"]
+    assert r.headers["connection"] == "close"
+    # Chunked, without a Content-Length: refused once the bytes read pass the limit.
+    chunks = (b"x" * 1024 for _ in range(2 * LIMIT // 1024))
+    assert_openai_error(client.post("/v1/completions", content=chunks), 413, "request_too_large")
+    # A body within the limit is served as before.
+    assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {**COMPLETION, "prompt": "\ud800"}),
+    ("/v1/completions", {**COMPLETION, "model": "tiny\udfff"}),
+    ("/v1/completions", {**COMPLETION, "stop": ["ok", "\ud83d"]}),
+    ("/v1/completions", {**COMPLETION, "extra\ud800key": 1}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a\ud800b"}]}),
+])
+def test_text_that_is_not_unicode_gets_400(serve, path, body):
+    import json
+
+    client = serve()
+    # json.dumps escapes the lone surrogate as \\ud800, as a client's JSON encoder would.
+    r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    error = assert_openai_error(r, 400)
+    assert "not valid Unicode" in error["message"]
+    assert client.get("/health").status_code == 200
+
+
+def test_invalid_utf8_bytes_get_400(serve):
+    client = serve()
+    r = client.post("/v1/completions", content=b'{"model": "tiny", "prompt": "\xff\xfe"}',
+                    headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+
+
+INTERNALS = ("ActorDiedError", "5f3a9c0e1d", "pid=4242", "10.1.2.3", "Traceback", "RuntimeError")
+
+
+class _FailingEngine(MockEngine):
+    def __init__(self, error):
+        super().__init__("e0", "colocated", MODEL, MockEngineConfig(max_model_len=64))
+        self._error = error
+
+    async def generate(self, request):
+        raise self._error
+        yield
+
+
+@pytest.mark.parametrize("error", [
+    "engine",  # an engine failure as the Ray backend reports it
+    "unexpected",  # a bug: an exception nobody turned into an OpenAI error
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_failure_body_carries_no_internals(serve, caplog, error, stream):
+    from pdserve.errors import EngineRequestError
+
+    detail = ("engine colocated-0 died: ActorDiedError(actor_id=5f3a9c0e1d, pid=4242, "
+              "ip=10.1.2.3)\nTraceback (most recent call last): ...")
+    raised = EngineRequestError(detail) if error == "engine" else RuntimeError(detail)
+    client = serve(_FailingEngine(raised))
+    with caplog.at_level("ERROR"):
+        r = client.post("/v1/completions", json={**COMPLETION, "stream": stream})
+    if stream and error == "engine":
+        assert r.status_code == 200  # the stream had begun: the error is its last event
+        body = r.text
+        assert '"code":"internal_error"' in body
+    elif stream:
+        body = r.text  # the stream breaks off; nothing of the error reaches the client
+    else:
+        body = assert_openai_error(r, 500, "internal_error")["message"]
+        assert "id " in body  # the id the operator finds the detail under in the log
+    for internal in INTERNALS:
+        assert internal not in body, body
+    assert "5f3a9c0e1d" in caplog.text  # the detail is in the server log
+    assert client.get("/health").status_code == 200
