@@ -11,12 +11,14 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import ray
 import uvicorn
 import uvloop
 
 from pdserve.api.app import build_app
+from pdserve.api.connections import ConnectionDeadlines, deadline_protocol
 from pdserve.api.guard import AccessPolicy, RequestLimits
 from pdserve.config.loader import load_api_keys
 from pdserve.serving.metrics import ServingMetrics
@@ -47,11 +49,8 @@ async def serve(config: PdserveConfig) -> None:
         tokenizer = await asyncio.to_thread(load_tokenizer, model.path, config)
         app = build_app(backend, tokenizer, model.served_name, config.api.max_queued_requests,
                         config.api.default_max_tokens, access,
-                        RequestLimits(config.api.max_body_bytes))
-        server = uvicorn.Server(uvicorn.Config(
-            app, host=config.api.host, port=config.api.port, log_level=config.api.log_level,
-            loop="none", lifespan="on", timeout_graceful_shutdown=5,
-            timeout_keep_alive=config.api.keep_alive_s))
+                        RequestLimits(config.api.max_body_bytes, config.api.body_timeout_s))
+        server = uvicorn.Server(uvicorn_config(app, config))
         announcer = asyncio.create_task(_announce_when_ready(server, config, model, started))
         try:
             await server.serve()
@@ -67,6 +66,15 @@ async def serve(config: PdserveConfig) -> None:
             ray.shutdown()
         except Exception:
             logger.exception("ray shutdown failed")
+
+
+def uvicorn_config(app: Any, config: PdserveConfig) -> uvicorn.Config:
+    api = config.api
+    deadlines = ConnectionDeadlines(api.header_timeout_s, api.write_timeout_s)
+    return uvicorn.Config(
+        app, host=api.host, port=api.port, log_level=api.log_level, loop="none",
+        lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=api.keep_alive_s,
+        http=deadline_protocol(deadlines), limit_concurrency=api.max_connections)
 
 
 def prepare_model(config: PdserveConfig) -> ResolvedModel:

@@ -57,6 +57,12 @@ def too_large(limit_bytes: int) -> OpenAIError:
                        headers={"Connection": "close"})
 
 
+def body_timeout(seconds: float) -> OpenAIError:
+    return OpenAIError(f"The request body did not arrive within {seconds:g} s.", 408,
+                       "invalid_request_error", None, "request_timeout",
+                       headers={"Connection": "close"})
+
+
 def model_not_found(model: str) -> OpenAIError:
     return OpenAIError(
         f"The model `{model}` does not exist.", 404, "invalid_request_error", "model",

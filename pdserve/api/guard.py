@@ -6,23 +6,25 @@ body parsing, so a client without a key cannot make the server parse anything:
 - `/v1/...` needs `Authorization: Bearer <key>` when API keys are configured;
 - `/metrics` needs its own key when one is configured; `/health` is always open;
 - a body over `RequestLimits.max_body_bytes` gets 413: at once when its Content-Length says
-  so, else as soon as the bytes read pass the limit (chunked uploads). The guard reads the body
-  (the app would read it whole anyway) and hands it on.
+  so, else as soon as the bytes read pass the limit (chunked uploads); a body not received
+  within `RequestLimits.body_timeout_s` of its head gets 408. The guard reads the body (the app
+  would read it whole anyway) and hands it on.
 
-Refusals leave as OpenAI-style bodies (401 with `WWW-Authenticate: Bearer`, 413 closing the
-connection); keys are never logged nor echoed. `AccessPolicy.check` is the decision, a
+Refusals leave as OpenAI-style bodies (401 with `WWW-Authenticate: Bearer`, 408 and 413 closing
+the connection); keys are never logged nor echoed. `AccessPolicy.check` is the decision, a
 function of plain values.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.api.errors import OpenAIError, too_large, unauthorized
+from pdserve.api.errors import OpenAIError, body_timeout, too_large, unauthorized
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class RequestLimits:
 
     # 8 MiB: a full 128k-token context as text is ~0.5 MiB, as a JSON token-id list ~1 MiB.
     max_body_bytes: int = 8 * 1024**2
+    body_timeout_s: float = 60.0
 
 
 class HttpGuard:
@@ -99,6 +102,14 @@ class HttpGuard:
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return too_large(limit)
+        try:
+            async with asyncio.timeout(self._limits.body_timeout_s):
+                return await self._read_within_limit(receive, limit)
+        except TimeoutError:
+            return body_timeout(self._limits.body_timeout_s)
+
+    @staticmethod
+    async def _read_within_limit(receive: Receive, limit: int) -> bytes | OpenAIError | None:
         chunks, size = [], 0
         while True:
             message = await receive()

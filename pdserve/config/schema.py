@@ -320,6 +320,25 @@ class ApiConfig(_Section):
         "JSON list of token ids (~1 MiB) with room to spare.",
     )
 
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="Time a client has to send a request's head (line and headers), "
+        "from the connection's start or a kept-alive request's first byte; then 408 and the "
+        "connection closes (a half-sent head must not hold a connection).",
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="Time a client has to send a request's whole body once its head "
+        "arrived; then 408 and the connection closes. 60 s: max_body_bytes at ~1 Mbit/s.",
+    )
+    write_timeout_s: float = Field(
+        30.0, gt=0, description="Time a response may wait on a client that reads nothing (its "
+        "connection's send buffer full); then the connection is aborted, the engine request "
+        "with it, and its admission slot is freed.",
+    )
+    max_connections: int | None = Field(
+        2048, ge=1, description="Most open client connections (and requests) at once; past it "
+        "uvicorn answers 503 (its limit_concurrency). None: no cap (the process's file limit).",
+    )
+
     @field_validator("api_keys", "metrics_api_key")
     @classmethod
     def _check_keys(cls, value: Any) -> Any:

@@ -220,3 +220,34 @@ def test_an_engine_failure_body_carries_no_internals(serve, caplog, error, strea
         assert internal not in body, body
     assert "5f3a9c0e1d" in caplog.text  # the detail is in the server log
     assert client.get("/health").status_code == 200
+
+
+# --- slow clients ----------------------------------------------------------------------------
+
+async def test_a_body_that_stops_arriving_gets_408():
+    import asyncio
+
+    from pdserve.api.guard import HttpGuard, RequestLimits
+
+    async def app(scope, receive, send):  # never reached
+        raise AssertionError("the app must not see a request whose body never arrived")
+
+    messages = [{"type": "http.request", "body": b'{"model": ', "more_body": True}]
+
+    async def receive():
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()  # the client sends nothing more
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    guard = HttpGuard(app, AccessPolicy(), RequestLimits(body_timeout_s=0.05))
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+             "client": ("127.0.0.1", 5000)}
+    await asyncio.wait_for(guard(scope, receive, send), 5)
+    assert sent[0]["status"] == 408
+    assert (b"connection", b"close") in sent[0]["headers"]
+    assert b'"request_timeout"' in sent[1]["body"]
