@@ -198,25 +198,31 @@ class BlockSource(ABC):
         """The blocks pinned for a request, or None; for the connector's bookkeeping and tests."""
         return self._pins.blocks(request_id)
 
-    def open_read(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """Transports only: a pull of `block_ids` starts. Raises LookupError (request not pinned)
-        or ValueError (a block not in the pin); the blocks stay pinned until `close_read`."""
-        self._pins.acquire(request_id, block_ids)
+    def open_read(self, request_id: str, block_ids: Sequence[int], reader: str | None = None) -> None:
+        """Transports only: a pull of `block_ids` by session `reader` starts. Raises LookupError
+        (request not pinned) or ValueError (a block not in the pin); the blocks stay pinned
+        until `close_read`."""
+        self._pins.acquire(request_id, block_ids, reader)
 
     def close_read(self, request_id: str, *, release: bool) -> None:
         """Transports only: the pull opened by `open_read` ended; `release` ends the pin too
         (reason PULLED). Called exactly once per successful `open_read`, even on failure."""
         self._pins.finish_read(request_id, ReleaseReason.PULLED if release else None)
 
-    def release_by_peer(self, request_id: str, peer: KVLayoutSpec | None = None) -> bool:
-        """Transports only: a sink sent Release; False if the request was not pinned. With the
+    def release_by_peer(
+        self, request_id: str, peer: KVLayoutSpec | None = None, releaser: str | None = None
+    ) -> bool:
+        """Transports only: a sink (session `releaser`) sent Release; False if the request was
+        not pinned, PermissionError if other sessions read it and this one did not. With the
         sink's layout, the pin ends once every rank of the sink's TP group that must release it
         has (heads.releasers_of); a lone rank of equal TP ends it at once."""
         total = heads.num_kv_heads(self.layout)
         if peer is None or not total:
-            return self._pins.release(request_id, ReleaseReason.REMOTE)
-        needed = heads.releasers_of(total, self.layout.tp_size, self.layout.tp_rank, peer.tp_size)
-        return self._pins.release_share(request_id, ReleaseReason.REMOTE, peer.tp_rank, needed)
+            needed, rank = frozenset({0}), 0
+        else:
+            needed = heads.releasers_of(total, self.layout.tp_size, self.layout.tp_rank, peer.tp_size)
+            rank = peer.tp_rank
+        return self._pins.release_share(request_id, ReleaseReason.REMOTE, rank, needed, releaser)
 
     def regions_for(self, peer: KVLayoutSpec) -> tuple[BlockRegion, ...]:
         """The views of the regions that pulls by `peer` move (heads.peer_regions), cached per

@@ -108,11 +108,12 @@ class FakeSink(BlockSink):
         super().__init__(layout, regions, engine_id=engine_id, cluster_token=cluster_token)
         self._fabric = fabric
         self._threads: set[threading.Thread] = set()
+        self._peer_name = f"fake-sink-{id(self)}"  # its "connection", and its session's name
 
     def handshake(self, remote_address: str) -> PeerInfo:
         """Checks a source exactly as the real transports do; raises KVTransportError."""
         source = self._fabric.lookup(remote_address)
-        peer = f"fake:{id(self)}"
+        peer = self._peer_name
         challenge = source.issue_challenge(self.wire_version, self.engine_id, peer)
         hello, transcript = self._hello(challenge)
         reply = source.accept_hello(hello, transcript.server_nonce, transcript.client_nonce, peer)
@@ -122,8 +123,8 @@ class FakeSink(BlockSink):
     def release_remote(self, remote_address: str, request_id: str) -> None:
         """Unpins on the source at once; an unreachable source is ignored (its lease covers it)."""
         try:
-            self._fabric.lookup(remote_address).release_by_peer(request_id, self.layout)
-        except KVTransportError:
+            self._fabric.lookup(remote_address).release_by_peer(request_id, self.layout, self._peer_name)
+        except (KVTransportError, PermissionError):
             pass
 
     def close(self) -> None:
@@ -156,7 +157,7 @@ class FakeSink(BlockSink):
     def _pull(self, transfer: KVTransfer, src: list[int], dst: list[int], release: bool) -> None:
         info = self.handshake(transfer.remote_address)
         source = self._fabric.lookup(transfer.remote_address)
-        source.open_read(transfer.request_id, src)
+        source.open_read(transfer.request_id, src, self._peer_name)
         completed = False
         try:
             transfer.set_transferring()

@@ -10,8 +10,11 @@ Security: a sink first asks for a Challenge (a fresh nonce bound to its connecti
 sides prove the shared cluster token over both nonces and engine ids at Handshake (HMAC,
 constant-time compare; handshake.py), so a recorded handshake replayed is refused. The sink gets
 a session id that later calls must carry, valid only from the connection that handshook
-(sessions.py). Only protobuf crosses the wire; block bytes are copied into tensors, never
-unpickled. The channel itself is plaintext (no TLS yet).
+(sessions.py); a session may Release only requests it pulled (or that nobody pulled yet:
+leases.py). Before authentication a caller gets small messages only (MAX_HANDSHAKE_BYTES; the
+server reads at most MAX_REQUEST_BYTES from anyone), and the server serves or queues at most
+`max_concurrent_rpcs` calls. Only protobuf crosses the wire; block bytes are copied into
+tensors, never unpickled. The channel itself is plaintext (no TLS yet).
 """
 
 from __future__ import annotations
@@ -48,9 +51,24 @@ MAX_MESSAGE_BYTES = MAX_BLOCK_NBYTES + (1 << 20)
 # with 64 MiB the server keeps many chunks in flight. Measured on loopback (2 busy cores, 16 MiB
 # pulls of 512 KiB chunks): ~85 ms per pull with the default, ~40 ms with this.
 STREAM_WINDOW_BYTES = 64 << 20
+# The largest message a source accepts: what an authenticated pull's request needs (a
+# PullBlocksRequest of 1 MiB holds ~200k block ids, far above any request's). A source receives
+# only small requests and sends the large chunks, so nobody can make it buffer 257 MiB.
+MAX_REQUEST_BYTES = 1 << 20
+# The largest Challenge or Handshake request a source reads, checked before use: a hello is a
+# few hundred bytes. Unauthenticated callers get no more.
+MAX_HANDSHAKE_BYTES = 16 << 10
+# Calls a source serves or queues at once; more are refused (RESOURCE_EXHAUSTED) instead of
+# queueing without bound. 64: eight decode peers of four pull threads each, twice over.
+DEFAULT_MAX_CONCURRENT_RPCS = 64
 _CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+]
+_SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
     ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
 ]
 # Server threads = concurrent streams served; a prefill worker rarely has more decode peers.
@@ -77,6 +95,7 @@ class GrpcSource(BlockSource):
         port: int = 0,
         advertise_host: str | None = None,
         server_threads: int = DEFAULT_SERVER_THREADS,
+        max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
     ):
         """Binds `host:port` (port 0 picks a free one) and starts serving; `advertise_host` is
         the host sinks dial (default: `host`, or this machine's IP for a wildcard bind)."""
@@ -91,7 +110,8 @@ class GrpcSource(BlockSource):
         self.sessions = SessionTable()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=server_threads, thread_name_prefix="kv-grpc-server"),
-            options=_CHANNEL_OPTIONS,
+            options=_SERVER_OPTIONS,
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
         )
         pb_grpc.add_KVTransferServicer_to_server(_Servicer(self), self._server)
         try:
@@ -116,9 +136,7 @@ class GrpcSource(BlockSource):
         finally:
             self._pins.close()
 
-    def serve_setup_communicator(
-        self, pair_id: str, backend: str, regions: Sequence[BlockRegion]
-    ) -> tuple[str, bytes]:
+    def serve_setup_communicator(self, pair_id: str, backend: str, session: Session) -> tuple[str, bytes]:
         """NCCL side channel (server thread): only NcclSource serves it."""
         raise NotImplementedError("this KV source serves gRPC pulls only")
 
@@ -157,6 +175,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
 
     def Challenge(self, request: pb.ChallengeRequest, context: grpc.ServicerContext) -> pb.ChallengeResponse:
         """Once per handshake: a nonce for this connection's Handshake; refuses another version."""
+        self._check_size(request, context)
         try:
             challenge = self._source.issue_challenge(
                 request.wire_version, request.engine_id, context.peer()
@@ -167,6 +186,7 @@ class _Servicer(pb_grpc.KVTransferServicer):
 
     def Handshake(self, request: pb.HandshakeRequest, context: grpc.ServicerContext) -> pb.HandshakeResponse:
         """Once per sink and source: checks the sink's hello; refusals carry the reason."""
+        self._check_size(request, context)
         hello = wire.hello_from_message(request)
         try:
             nonces = (request.server_nonce, request.client_nonce)
@@ -181,10 +201,11 @@ class _Servicer(pb_grpc.KVTransferServicer):
         self, request: pb.PullBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.BlockChunk]:
         """Once per gRPC pull: streams the chunks; holds a server thread for the whole stream."""
-        regions = self._source.regions_for(self._require_session(context).layout)
+        session = self._require_session(context)
+        regions = self._source.regions_for(session.layout)
         block_ids = list(request.block_ids)
         try:
-            self._source.open_read(request.request_id, block_ids)
+            self._source.open_read(request.request_id, block_ids, session.session_id)
         except LookupError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
@@ -198,17 +219,22 @@ class _Servicer(pb_grpc.KVTransferServicer):
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         """When a sink gives up on a request, or one of several sink ranks reading it is done:
-        unpins it once every such rank released (fires on_release with REMOTE)."""
-        peer = self._require_session(context).layout
-        return pb.ReleaseResponse(released=self._source.release_by_peer(request.request_id, peer))
+        unpins it once every such rank released (fires on_release with REMOTE). Refused
+        (PERMISSION_DENIED) for a request that other sessions pulled and this one did not."""
+        session = self._require_session(context)
+        try:
+            released = self._source.release_by_peer(request.request_id, session.layout, session.session_id)
+        except PermissionError as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        return pb.ReleaseResponse(released=released)
 
     def SetupCommunicator(
         self, request: pb.SetupCommunicatorRequest, context: grpc.ServicerContext
     ) -> pb.SetupCommunicatorResponse:
         """Once per NCCL pair: delegates to the source (UNIMPLEMENTED on a plain GrpcSource)."""
-        regions = self._source.regions_for(self._require_session(context).layout)
+        session = self._require_session(context)
         store_address, params = self._call(
-            context, self._source.serve_setup_communicator, request.pair_id, request.backend, regions
+            context, self._source.serve_setup_communicator, request.pair_id, request.backend, session
         )
         return pb.SetupCommunicatorResponse(store_address=store_address, params=params)
 
@@ -221,6 +247,17 @@ class _Servicer(pb_grpc.KVTransferServicer):
                 grpc.StatusCode.UNAUTHENTICATED, "no valid session on this connection: handshake first"
             )
         return session
+
+    @staticmethod
+    def _check_size(
+        request: pb.ChallengeRequest | pb.HandshakeRequest, context: grpc.ServicerContext
+    ) -> None:
+        """Aborts an unauthenticated call whose request is larger than any honest one."""
+        if request.ByteSize() > MAX_HANDSHAKE_BYTES:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"handshake message of {request.ByteSize()} bytes exceeds {MAX_HANDSHAKE_BYTES}",
+            )
 
     @staticmethod
     def _refuse(context: grpc.ServicerContext, error: KVTransportError) -> None:

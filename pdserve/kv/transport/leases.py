@@ -6,6 +6,11 @@ or lease expiry. At its end `on_release(request_id, reason)` fires so the engine
 blocks. A lease that expires during a read waits for the read to finish: blocks are never handed
 back while a transport is still copying out of them.
 
+Who may end a pin remotely: the first read claims it for the reader (a transport session), and
+from then on only the sessions that read it may release it (`release_share` with `releaser`); a
+pin nobody has read yet may be released by any authenticated session (a decode side that gives
+a request up before pulling it, or a prefill rank whose heads no decode rank reads).
+
 A reaper thread sleeps until the earliest lease deadline; it starts with the first pin.
 """
 
@@ -38,6 +43,7 @@ class _Pin:
     readers: int = 0
     ended_by: ReleaseReason | None = None  # set when the pin ended while a read was in flight
     released_by: set[int] = field(default_factory=set)  # sink TP ranks that released a share
+    claimed_by: set[str] = field(default_factory=set)  # sessions that read it
 
 
 class PinTable:
@@ -68,9 +74,10 @@ class PinTable:
             pin = self._pins.get(request_id)
             return pin.ordered if pin is not None and pin.ended_by is None else None
 
-    def acquire(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """Starts a read of `block_ids`; raises LookupError if not pinned, ValueError if a block
-        is not part of the pin. Called by a transport once per pull, before the first byte."""
+    def acquire(self, request_id: str, block_ids: Sequence[int], reader: str | None = None) -> None:
+        """Starts a read of `block_ids` by session `reader` (which claims the pin); raises
+        LookupError if not pinned, ValueError if a block is not part of the pin. Called by a
+        transport once per pull, before the first byte."""
         with self._wakeup:
             pin = self._pins.get(request_id)
             if pin is None or pin.ended_by is not None:
@@ -79,6 +86,8 @@ class PinTable:
             if missing:
                 raise ValueError(f"blocks {missing[:5]} are not pinned for request {request_id!r}")
             pin.readers += 1
+            if reader is not None:
+                pin.claimed_by.add(reader)
 
     def finish_read(self, request_id: str, release: ReleaseReason | None = None) -> None:
         """Ends a read started by `acquire`, ending the pin with `release` if given. Called by a
@@ -111,16 +120,24 @@ class PinTable:
         return True
 
     def release_share(
-        self, request_id: str, reason: ReleaseReason, releaser: int, needed: frozenset[int]
+        self,
+        request_id: str,
+        reason: ReleaseReason,
+        rank: int,
+        needed: frozenset[int],
+        releaser: str | None = None,
     ) -> bool:
-        """Records that sink rank `releaser` released the pin; ends it (as `release`) once every
+        """Records that sink rank `rank` released the pin; ends it (as `release`) once every
         rank in `needed` has. False if it was not pinned. Several decode ranks read one prefill
-        rank's pin when their TP sizes differ; the pin must outlive all of their pulls."""
+        rank's pin when their TP sizes differ; the pin must outlive all of their pulls. Raises
+        PermissionError when session `releaser` did not read a pin that others did."""
         with self._wakeup:
             pin = self._pins.get(request_id)
             if pin is None or pin.ended_by is not None:
                 return False
-            pin.released_by.add(releaser)
+            if releaser is not None and pin.claimed_by and releaser not in pin.claimed_by:
+                raise PermissionError(f"request {request_id!r} was pulled by another session")
+            pin.released_by.add(rank)
             if not needed <= pin.released_by:
                 return True
         return self.release(request_id, reason)

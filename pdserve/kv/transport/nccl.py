@@ -64,6 +64,7 @@ from pdserve.kv.transport.nccl_pair import (
     on_stream, pair_api, resolve_api,
 )
 from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec
+from pdserve.kv.transport.sessions import Session
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +138,11 @@ class NcclSource(GrpcSource):
         super().__init__(layout, regions, **grpc_options)
         self._watchdog = Watchdog(self._pairs, self._pairs_lock)
 
-    def serve_setup_communicator(
-        self, pair_id: str, backend: str, regions: Sequence[BlockRegion]
-    ) -> tuple[str, bytes]:
+    def serve_setup_communicator(self, pair_id: str, backend: str, session: Session) -> tuple[str, bytes]:
         """Server thread, once per pair: hosts the pair's store and control listener and starts
-        the pair thread. Returns at once with the store's address and the pair settings."""
+        the pair thread, whose pulls read as `session`. Returns at once with the store's
+        address and the pair settings."""
+        regions = self.regions_for(session.layout)
         api = pair_api(backend, self.backend, self.nccl_api)
         timeout = datetime.timedelta(seconds=self.pair_timeout_s)
         store = dist.TCPStore(self.host, 0, 2, True, timeout, wait_for_workers=False)
@@ -167,7 +168,10 @@ class NcclSource(GrpcSource):
                 raise ValueError(f"pair {pair_id!r} already exists or the source is closing")
             self._pairs[pair_id] = (pair, listener)
         threading.Thread(
-            target=self._serve_pair, args=(pair, listener, key), name=f"kv-pair-{pair_id}", daemon=True
+            target=self._serve_pair,
+            args=(pair, listener, key, session.session_id),
+            name=f"kv-pair-{pair_id}",
+            daemon=True,
         ).start()
         settings = {
             "timeout_s": self.pair_timeout_s,
@@ -208,7 +212,7 @@ class NcclSource(GrpcSource):
                 raise TimeoutError(f"{sum(not t.done for t in traces)} pulls still sending")
             time.sleep(0.001)
 
-    def _serve_pair(self, pair: Pair, listener: socket.socket, key: bytes) -> None:
+    def _serve_pair(self, pair: Pair, listener: socket.socket, key: bytes, reader: str) -> None:
         try:
             pair.join(rank=0, host=self.host)
             pair.control = control.accept(listener, key, pair.timeout_s)
@@ -221,7 +225,7 @@ class NcclSource(GrpcSource):
                 if self.traces is not None:
                     trace = SourceTrace(header.request_id, header_read=time.monotonic())
                     self.traces.append(trace)
-                self._serve_pull(pair, conn, header, trace)
+                self._serve_pull(pair, conn, header, reader, trace)
         except Exception as exc:  # noqa: BLE001 - a broken pair is dropped; its sink fails its pull
             closed = self._closing or isinstance(exc, ConnectionError)
             level = logging.DEBUG if closed else logging.WARNING
@@ -233,13 +237,18 @@ class NcclSource(GrpcSource):
             pair.abort()
 
     def _serve_pull(
-        self, pair: Pair, conn: socket.socket, header: control.PullHeader, trace: SourceTrace | None = None
+        self,
+        pair: Pair,
+        conn: socket.socket,
+        header: control.PullHeader,
+        reader: str,
+        trace: SourceTrace | None = None,
     ) -> None:
         """Pair thread, once per pull: queues the sends of the blocks (stale bytes if refused),
         answers, then waits for the sends. The sink reads the answer after the data, so
         answering first would only delay the first send."""
         try:
-            self.open_read(header.request_id, header.block_ids)
+            self.open_read(header.request_id, header.block_ids, reader)
         except (LookupError, ValueError) as exc:
             self._send(pair, header.block_ids, gather=False, reply=control.reply_to_wire(str(exc)))
             if trace is not None:

@@ -125,3 +125,69 @@ def test_plain_grpc_source_does_not_serve_the_nccl_side_channel(source_stub):
             pb.SetupCommunicatorRequest(pair_id="p", backend="gloo"), timeout=5, metadata=metadata
         )
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_release_of_a_request_another_session_pulled_is_refused(source_stub):
+    source, stub = source_stub
+    _, reader = handshake(stub, engine_id="decode-0")
+    _, other = handshake(stub, engine_id="decode-1")
+    pull = pb.PullBlocksRequest(request_id="req-1", block_ids=[1], release_after=False)
+    list(stub.PullBlocks(pull, timeout=5, metadata=((wire.SESSION_KEY, reader.session_id),)))
+
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Release(
+            pb.ReleaseRequest(request_id="req-1"), timeout=5, metadata=((wire.SESSION_KEY, other.session_id),)
+        )
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert source.pinned_blocks("req-1") == (1,)
+    released = stub.Release(
+        pb.ReleaseRequest(request_id="req-1"), timeout=5, metadata=((wire.SESSION_KEY, reader.session_id),)
+    )
+    assert released.released and source.pinned_blocks("req-1") is None
+
+
+def test_a_pin_nobody_pulled_may_be_released_by_any_session(source_stub):
+    # The decode side gave the request up before pulling it: the pin need not wait for its lease.
+    source, stub = source_stub
+    _, session = handshake(stub)
+    released = stub.Release(
+        pb.ReleaseRequest(request_id="req-1"), timeout=5, metadata=((wire.SESSION_KEY, session.session_id),)
+    )
+    assert released.released and source.pinned_blocks("req-1") is None
+
+
+@pytest.mark.parametrize("rpc", ["Challenge", "Handshake"])
+def test_an_oversized_message_before_authentication_is_refused(source_stub, rpc):
+    source, stub = source_stub
+    for size in (100 << 10, 2 << 20):  # past the handshake's limit, past the server's
+        request = (pb.ChallengeRequest if rpc == "Challenge" else pb.HandshakeRequest)(
+            wire_version=WIRE_VERSION, engine_id="x" * size
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            getattr(stub, rpc)(request, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    _, reply = handshake(stub)  # the source still serves
+    assert reply.session_id
+
+
+def test_calls_past_the_concurrency_cap_are_refused(slow_gather):
+    slow_gather(0.5)  # each chunk waits: the pull holds its call for ~1.5 s
+    source = GrpcSource(
+        LAYOUT, kv_regions(4, seed=1), engine_id="prefill-0", cluster_token=TOKEN, max_concurrent_rpcs=1
+    )
+    source.pin("req-1", [1, 2, 3])
+    channel = own_connection(source.address)
+    try:
+        stub = pb_grpc.KVTransferStub(channel)
+        _, session = handshake(stub)
+        metadata = ((wire.SESSION_KEY, session.session_id),)
+        request = pb.PullBlocksRequest(request_id="req-1", block_ids=[1, 2, 3], max_chunk_bytes=1)
+        stream = stub.PullBlocks(request, timeout=5, metadata=metadata)
+        next(stream)  # the stream is open, two chunks to go: it holds the one slot
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Challenge(pb.ChallengeRequest(wire_version=WIRE_VERSION, engine_id="d"), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        stream.cancel()
+    finally:
+        channel.close()
+        source.close()

@@ -75,3 +75,21 @@ def test_a_failing_callback_does_not_stop_the_reaper():
         time.sleep(0.01)
     assert sorted(calls) == ["a", "b"]
     pins.close()
+
+
+def test_once_read_a_pin_is_released_only_by_the_sessions_that_read_it():
+    recorder = Recorder()
+    pins = PinTable(recorder)
+    pins.pin("req", [1, 2], lease_s=30)
+    pins.acquire("req", [1, 2], reader="session-a")
+    pins.finish_read("req")
+    pins.acquire("req", [1], reader="session-b")  # another decode rank reads its share
+    pins.finish_read("req")
+    both = frozenset({0, 1})
+
+    with pytest.raises(PermissionError, match="another session"):
+        pins.release_share("req", ReleaseReason.REMOTE, 0, both, releaser="intruder")
+    assert pins.release_share("req", ReleaseReason.REMOTE, 0, both, releaser="session-a")
+    assert pins.release_share("req", ReleaseReason.REMOTE, 1, both, releaser="session-b")
+    assert recorder.calls == [("req", ReleaseReason.REMOTE)]
+    pins.close()
