@@ -55,13 +55,14 @@ def make_cluster(site: LoopbackSite) -> Iterator[Callable[..., Cluster]]:
 
     def make(adapt_setup: Callable[[list[str]], list[str]], worker_cpus: int = 1) -> Cluster:
         onprem = yaml.safe_load((REPO_ROOT / "deploy/onprem/cluster.yaml").read_text())
+        gcs_port = free_port(site.head_ip)
         config = loopback_cluster_config(
             onprem, site, REPO_ROOT, cluster_name=f"pdserve-e2e-{uuid.uuid4().hex[:8]}",
-            gcs_port=free_port(site.head_ip), setup_commands=adapt_setup(onprem["setup_commands"]),
+            gcs_port=gcs_port, setup_commands=adapt_setup(onprem["setup_commands"]),
             worker_cpus=worker_cpus)
         path = site.workdir / f"{config['cluster_name']}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        clusters.append(Cluster(path, site.workdir))
+        clusters.append(Cluster(path, site.workdir, gcs_address=f"{site.head_ip}:{gcs_port}"))
         return clusters[-1]
 
     yield make

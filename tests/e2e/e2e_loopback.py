@@ -14,6 +14,9 @@ Why each choice (seen with Ray 2.60):
 - Its own RAY_TMPDIR: the head's autoscaler keeps the local provider's state under the Ray temp
   dir, as `ray up` does here, and the head's `ray_current_cluster` file must not lead other Ray
   users of this machine (`ray.init()` without an address) into the test cluster.
+- Its own Ray token (`LoopbackSite.ray_token`, a file in the work dir): the shipped file mount of
+  ~/.ray/auth_token copies it to the nodes, as `ray up` copies a user's own token; this
+  machine's ~/.ray/auth_token (other Ray users') is never read or written.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import copy
 import fcntl
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -166,6 +170,11 @@ class LoopbackSite:
         return self.workdir / "id_ed25519"
 
     @property
+    def ray_token(self) -> Path:
+        """The cluster's Ray token on "your machine" (the shipped config mounts ~/.ray/auth_token)."""
+        return self.workdir / "ray_auth_token"
+
+    @property
     def ray_tmpdir(self) -> str:
         """The Ray temp root of the nodes (kept short: Unix socket paths are limited)."""
         return str(self.home / "rt")
@@ -175,6 +184,8 @@ class LoopbackSite:
         site = cls(workdir=workdir, ssh_port=free_port(HEAD_IP))
         try:
             site._create_user()
+            site.ray_token.write_text(secrets.token_hex(32))
+            site.ray_token.chmod(0o600)
             site._start_sshd()
             site._route_client()
             site.wait_for_ssh()
@@ -310,24 +321,26 @@ def loopback_cluster_config(onprem: dict, site: LoopbackSite, repo_root: Path, *
 
     Kept from the shipped file: the file mount of the checkout, its rsync filter and the shape
     of the setup (venv, uv, editable install, PATH); the caller adapts the engine install.
-    Replaced: addresses, SSH user and key, and the start commands: a free GCS port, explicit
-    node IPs, a small footprint, one engine slot on the worker, and no `ray stop` on the worker
-    (head and worker share this machine's processes).
+    Replaced: addresses, SSH user and key, the local side of the token mount (the site's token),
+    and the start commands: a free GCS port, explicit node IPs, a small footprint, one engine
+    slot on the worker, and no `ray stop` on the worker (head and worker share this machine's
+    processes). Kept in them: token auth (`RAY_AUTH_MODE=token`) on every node.
     """
     config = copy.deepcopy(onprem)
     config["cluster_name"] = cluster_name
     config["provider"].update(head_ip=site.head_ip, worker_ips=[site.worker_ip])
     config["auth"] = {"ssh_user": site.user, "ssh_private_key": str(site.private_key)}
-    config["file_mounts"] = {"~/pdserve": str(repo_root)}
+    assert "~/.ray/auth_token" in onprem["file_mounts"], "the shipped config mounts the Ray token"
+    config["file_mounts"] = {"~/pdserve": str(repo_root), "~/.ray/auth_token": str(site.ray_token)}
     config["setup_commands"] = setup_commands
     small = f"--object-store-memory={OBJECT_STORE_BYTES} --disable-usage-stats"
     head_start = (
-        f"ray start --head --node-ip-address={site.head_ip} --port={gcs_port} "
+        f"RAY_AUTH_MODE=token ray start --head --node-ip-address={site.head_ip} --port={gcs_port} "
         f"--ray-client-server-port={free_port()} --autoscaling-config=~/ray_bootstrap_config.yaml "
         f"--include-dashboard=false --num-cpus=1 {small}"
     )
     worker_start = (
-        f"ray start --address=$RAY_HEAD_IP:{gcs_port} --node-ip-address={site.worker_ip} "
+        f"RAY_AUTH_MODE=token ray start --address=$RAY_HEAD_IP:{gcs_port} --node-ip-address={site.worker_ip} "
         f"""--resources='{{"pdserve_colocated": 1}}' --num-cpus={worker_cpus} {small}"""
     )
     config["head_start_ray_commands"] = ["ray stop", head_start]
@@ -338,8 +351,9 @@ def loopback_cluster_config(onprem: dict, site: LoopbackSite, repo_root: Path, *
 class Cluster:
     """The `ray` CLI against one cluster YAML, as a user at their laptop runs it."""
 
-    def __init__(self, config_path: Path, workdir: Path) -> None:
+    def __init__(self, config_path: Path, workdir: Path, gcs_address: str = "") -> None:
         self.config_path = config_path
+        self.gcs_address = gcs_address
         self.env = {
             **os.environ,
             # Ray 2.60: with autoscaler v2 the local provider never launched the worker.
@@ -365,6 +379,27 @@ class Cluster:
     def down(self, check: bool = True) -> None:
         self.ray("down", "-y", timeout_s=180, check=check)
         self.up = False
+
+
+AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def from_outside(cluster: Cluster, token: str | Path | None, *cmd: str,
+                 timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """`cmd` on "your machine" against the cluster's GCS: without any token (None), with the
+    token of a file (Path), or with a token given as a string. HOME is an empty directory, so
+    no ~/.ray/auth_token of this machine's other Ray users takes part."""
+    home = cluster.config_path.parent / "outside-home"
+    home.mkdir(exist_ok=True)
+    env = {k: v for k, v in cluster.env.items() if k not in AUTH_VARIABLES} | {"HOME": str(home)}
+    if isinstance(token, Path):
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    elif token is not None:
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    return run(list(cmd), timeout_s, env, check=False)
+
+
+REFUSED = "Authentication token is missing or incorrect"
 
 
 def serve_command(site: LoopbackSite, port: int, *flags: str) -> str:

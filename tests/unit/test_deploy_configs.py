@@ -66,7 +66,7 @@ def test_cluster_yaml_passes_rays_schema_and_ray_up_config_checks(path):
 def test_setup_commands_install_pdserve_with_its_gpu_extra(path):
     config = yaml.safe_load(path.read_text())
     assert any('pdserve[gpu]"' in cmd and "install" in cmd for cmd in config["setup_commands"])
-    assert config["file_mounts"] == {"~/pdserve": "."}
+    assert config["file_mounts"]["~/pdserve"] == "."
 
 
 @pytest.mark.parametrize("path", APPS, ids=ids(APPS))
@@ -78,6 +78,69 @@ def test_app_config_loads_and_joins_the_cluster(path):
         # Explicit: the head has no GPU and workers may still be starting when the service does.
         assert pool.num_gpus == config.engine.tensor_parallel_size
         assert pool.resources, f"pools.{role.value} must ask for its node type's resource"
+
+
+def ray_starts(commands: list[str]) -> list[str]:
+    """Each `ray start` of a start-command list, with what precedes it in its shell command."""
+    found = []
+    for command in commands:
+        for part in re.split(r"[;&|\n]+", command):
+            if re.search(r"\bray start\b", part):
+                found.append(" ".join(part.split()))
+    return found
+
+
+@pytest.mark.parametrize("path", CLUSTERS, ids=ids(CLUSTERS))
+def test_every_node_starts_ray_with_token_auth_and_the_same_token(path):
+    config = yaml.safe_load(path.read_text())
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = ray_starts(config[key])
+        assert starts, f"{key}: no ray start"
+        for start in starts:
+            # The variable on the command itself: a worker's raylet without it cannot join.
+            assert re.match(r"^(\S+=\S+ )*RAY_AUTH_MODE=token ray start\b", start), start
+    everything = yaml.safe_dump(config)
+    assert "RAY_AUTH_MODE=disabled" not in everything
+    # One token on every node: the file mount the head's autoscaler also syncs to workers.
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    # Whatever runs on a node later (`ray exec`, pdserve serve, ray status) sends the token too.
+    assert any("export RAY_AUTH_MODE=token" in cmd and ".bashrc" in cmd
+               for cmd in config["setup_commands"])
+    assert "chmod 600 ~/.ray/auth_token" in config["setup_commands"]
+
+
+@pytest.mark.parametrize("path", CLUSTERS, ids=ids(CLUSTERS))
+def test_the_ray_dashboard_listens_on_the_heads_localhost_only(path):
+    config = yaml.safe_load(path.read_text())
+    (head,) = ray_starts(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head.split()
+    assert "--include-dashboard=false" not in head  # Prometheus' service discovery needs it
+    for start in ray_starts(config["worker_start_ray_commands"]):
+        assert "--dashboard-host" not in start
+
+
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+@pytest.mark.parametrize("path", APPS, ids=ids(APPS))
+def test_the_api_listens_on_localhost_unless_it_requires_a_key(path):
+    api = load_config(path).api
+    has_key = bool(getattr(api, "api_keys", ())) or getattr(api, "api_key_file", None) is not None
+    assert api.host in LOOPBACK_HOSTS or has_key, f"{path}: api.host {api.host} without an API key"
+
+
+def test_the_firewall_table_lists_every_port_the_cluster_files_fix():
+    readme = (DEPLOY / "README.md").read_text()
+    table = readme[readme.index("## Network: ports and who needs them"):]
+    table = table[:table.index("\n## ", 1)]
+    fixed = set()
+    for path in CLUSTERS:
+        for match in re.finditer(r"--(?:port|[a-z-]+-port)=(\d+)", path.read_text()):
+            fixed.add(match.group(1))
+    fixed |= {str(load_config(p).api.port) for p in APPS}
+    assert fixed >= {"6379", "8076", "8077", "8000"}
+    for port in fixed | {"8265", "22"}:
+        assert f"`{port}`" in table or f"`{port}-" in table or f"-{port}`" in table, port
 
 
 def node_type_resources(cluster: dict) -> tuple[dict[str, float], list[dict[str, float]]]:
