@@ -48,6 +48,8 @@ _SERVE_FLAGS: dict[str, str] = {
     "max_gpus": "autoscale.max_gpus",
     "profile": "scheduler.profile",
     "api_key": "api.api_keys",
+    "ssl_certfile": "api.ssl_certfile",
+    "ssl_keyfile": "api.ssl_keyfile",
 }
 
 
@@ -127,6 +129,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--api-key", action="append", metavar="KEY",
                    help="a key /v1 clients must send as 'Authorization: Bearer KEY' (repeatable)")
+    p.add_argument("--ssl-certfile", help="PEM certificate: serve HTTPS (with --ssl-keyfile)")
+    p.add_argument("--ssl-keyfile", help="PEM private key of --ssl-certfile")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field by dotted path, e.g. engine.max_num_seqs=32")
     p.set_defaults(handler=_serve)

@@ -74,7 +74,8 @@ def uvicorn_config(app: Any, config: PdserveConfig) -> uvicorn.Config:
     return uvicorn.Config(
         app, host=api.host, port=api.port, log_level=api.log_level, loop="none",
         lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=api.keep_alive_s,
-        http=deadline_protocol(deadlines), limit_concurrency=api.max_connections)
+        http=deadline_protocol(deadlines), limit_concurrency=api.max_connections,
+        ssl_certfile=api.ssl_certfile, ssl_keyfile=api.ssl_keyfile)
 
 
 def prepare_model(config: PdserveConfig) -> ResolvedModel:
@@ -113,6 +114,7 @@ async def _announce_when_ready(server: uvicorn.Server, config: PdserveConfig,
     while not server.started:
         await asyncio.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1] if server.servers else config.api.port
-    print(f"pdserve ready: http://{config.api.host}:{port}/v1 serving {model.served_name} "
+    scheme = "https" if config.api.ssl_certfile else "http"
+    print(f"pdserve ready: {scheme}://{config.api.host}:{port}/v1 serving {model.served_name} "
           f"({_engine_summary(config)} engine(s), started in "
           f"{time.perf_counter() - started:.1f} s)", flush=True)

@@ -339,6 +339,20 @@ class ApiConfig(_Section):
         "uvicorn answers 503 (its limit_concurrency). None: no cap (the process's file limit).",
     )
 
+    ssl_certfile: Path | None = Field(
+        None, description="PEM certificate (chain) to serve HTTPS with; needs ssl_keyfile. None: "
+        "plain HTTP (put TLS in front, or set both).",
+    )
+    ssl_keyfile: Path | None = Field(
+        None, description="PEM private key of ssl_certfile.",
+    )
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> ApiConfig:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("api.ssl_certfile and api.ssl_keyfile go together: set both or neither")
+        return self
+
     @field_validator("api_keys", "metrics_api_key")
     @classmethod
     def _check_keys(cls, value: Any) -> Any:

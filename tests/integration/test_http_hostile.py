@@ -1,17 +1,26 @@
-"""`pdserve serve --engine mock` against clients that misbehave on the wire: a half-sent request
-head, a body that never arrives, a stream reader that stops reading. Each is cut off within its
-deadline, and the server keeps serving (the stalled stream's admission slot is freed)."""
+"""`pdserve serve --engine mock` over HTTPS (a self-signed certificate made here) against
+clients that misbehave on the wire: a half-sent request head, a body that never arrives, a
+stream reader that stops reading. Each is cut off within its deadline, and the server keeps
+serving (the stalled stream's admission slot is freed). Also: `pdserve config show` shows no
+secret."""
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import json
 import socket
+import ssl
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from pdserve.testing.server import start_mock_server
+from pdserve.testing.server import free_port, spawn_process
+from pdserve.testing.tokenizer import save_tiny_model
 
 pytestmark = pytest.mark.integration
 
@@ -20,39 +29,109 @@ DEADLINE_S = 2.0
 SLACK_S = 6.0
 
 
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, as PEM files."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+class TlsServer:
+    def __init__(self, running, cert: Path) -> None:
+        self.running = running
+        self.port = running.port
+        self.log_path = running.log_path
+        self.base_url = f"https://127.0.0.1:{running.port}"
+        self.tls = ssl.create_default_context(cafile=str(cert))
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    running = start_mock_server(
-        ["--served-model-name", "tiny", "--mode", "colocated", "--replicas", "1",
-         "--set", "pools.colocated.num_cpus=0.5",
-         "--set", "engine.mock.max_model_len=65536", "--set", "engine.mock.decode_step_s=0.001",
-         "--set", "api.max_queued_requests=1",
-         "--set", f"api.header_timeout_s={DEADLINE_S}", "--set", f"api.body_timeout_s={DEADLINE_S}",
-         "--set", f"api.write_timeout_s={DEADLINE_S}"],
-        tmp_path_factory.mktemp("server"))
-    yield running
-    running.stop()
+    workdir = tmp_path_factory.mktemp("server")
+    cert, key = self_signed_certificate(workdir)
+    port = free_port()
+    command = [sys.executable, "-m", "pdserve", "serve", "--port", str(port), "--engine", "mock",
+               "--model", str(save_tiny_model(workdir / "tiny-model")),
+               "--served-model-name", "tiny", "--mode", "colocated", "--replicas", "1",
+               "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+               "--set", "pools.colocated.num_cpus=0.5",
+               "--set", "engine.mock.max_model_len=65536", "--set", "engine.mock.decode_step_s=0.001",
+               "--set", "api.max_queued_requests=1",
+               "--set", f"api.header_timeout_s={DEADLINE_S}",
+               "--set", f"api.body_timeout_s={DEADLINE_S}",
+               "--set", f"api.write_timeout_s={DEADLINE_S}"]
+    running = spawn_process(command, port, workdir / "pdserve.log")
+    server = TlsServer(running, cert)
+    try:
+        wait_healthy(server)
+        yield server
+    finally:
+        running.stop()
 
 
-def connect(server, rcvbuf: int | None = None) -> socket.socket:
+def wait_healthy(server: TlsServer, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.running.process.poll() is not None:
+            raise RuntimeError(f"server exited:\n{server.running.log_tail()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", verify=server.tls, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server not healthy in {timeout_s} s:\n{server.running.log_tail()}")
+
+
+def connect(server, rcvbuf: int | None = None) -> ssl.SSLSocket:
     sock = socket.socket()
     if rcvbuf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: the window
     sock.connect(("127.0.0.1", server.port))
     sock.settimeout(DEADLINE_S + SLACK_S)
-    return sock
+    return server.tls.wrap_socket(sock, server_hostname="127.0.0.1")
 
 
 def read_until_closed(sock: socket.socket) -> bytes:
     received = b""
-    while chunk := sock.recv(65536):
-        received += chunk
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ssl.SSLEOFError:  # closed without TLS's close_notify: closed all the same
+        pass
     return received
 
 
 def complete(server, **extra):
-    return httpx.post(f"{server.base_url}/v1/completions", timeout=30,
+    return httpx.post(f"{server.base_url}/v1/completions", timeout=30, verify=server.tls,
                       json={"model": "tiny", "prompt": "hello world", "max_tokens": 4, **extra})
+
+
+def test_https_serves_the_api_and_says_so(server):
+    r = complete(server)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert f"pdserve ready: https://127.0.0.1:{server.port}/v1" in server.log_path.read_text()
+    with pytest.raises(httpx.HTTPError):  # plain HTTP to the HTTPS port gets no answer
+        httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5)
 
 
 def test_a_half_sent_request_head_is_cut_off_within_the_deadline(server):
@@ -97,8 +176,21 @@ def test_a_stalled_stream_reader_is_aborted_and_its_slot_freed(server):
         freed_after = 60 - (deadline - time.monotonic())
         assert freed_after < 30, freed_after
         # The server aborted the connection: what is left to read ends in a reset or EOF.
-        with pytest.raises((ConnectionResetError, TimeoutError)):
+        with pytest.raises((ConnectionResetError, ssl.SSLError, TimeoutError)):
             while sock.recv(1 << 20):
                 pass
             raise ConnectionResetError  # EOF: closed (the abort's RST may arrive as EOF)
     assert "the client read nothing" in server.log_path.read_text()
+
+
+def test_config_show_redacts_every_secret(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("sk-in-file\n")
+    shown = subprocess.run(
+        [sys.executable, "-m", "pdserve", "config", "show", "--set", "api.api_keys=[sk-one, sk-two]",
+         "--set", f"api.api_key_file={key_file}", "--set", "api.metrics_api_key=m-secret",
+         "--set", "kv.cluster_token=kv-secret"],
+        capture_output=True, text=True, check=True).stdout
+    for secret in ("sk-one", "sk-two", "m-secret", "kv-secret"):
+        assert secret not in shown
+    assert "api_keys:\n  - '***'\n  - '***'" in shown and "cluster_token: '***'" in shown

@@ -251,3 +251,13 @@ async def test_a_body_that_stops_arriving_gets_408():
     assert sent[0]["status"] == 408
     assert (b"connection", b"close") in sent[0]["headers"]
     assert b'"request_timeout"' in sent[1]["body"]
+
+
+def test_tls_needs_both_the_certificate_and_its_key():
+    from pdserve.cli import build_parser, serve_overrides
+
+    with pytest.raises(ConfigError, match="ssl_keyfile go together"):
+        load_config(None, {"api.ssl_certfile": "cert.pem"})
+    args = build_parser().parse_args(["serve", "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"])
+    config = load_config(None, serve_overrides(args))
+    assert (str(config.api.ssl_certfile), str(config.api.ssl_keyfile)) == ("c.pem", "k.pem")
