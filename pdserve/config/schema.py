@@ -16,7 +16,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from pdserve.kv.transport.defaults import DEFAULT_LEASE_S, DEFAULT_NCCL_API
+from pdserve.kv.transport.defaults import (
+    DEFAULT_LEASE_S, DEFAULT_NCCL_API, DEFAULT_NCCL_MAX_PAIRS, DEFAULT_NCCL_MAX_PAIRS_PER_SESSION,
+)
 
 
 class _Section(BaseModel):
@@ -195,6 +197,17 @@ class KVTransferConfig(_Section):
         "'direct' calls ncclSend/ncclRecv (a few microseconds of host time per operation), 'torch' "
         "goes through torch's ProcessGroupNCCL, 'auto' is direct where the NCCL library loads and "
         "torch otherwise. Pairs of CPU engines (gloo) always use torch's.",
+    )
+    nccl_max_pairs: int = Field(
+        DEFAULT_NCCL_MAX_PAIRS, ge=1, description="'nccl' transport: NCCL pairs one prefill worker "
+        "holds at once (one per decode worker pulling from it). Each pair holds a staging ring "
+        "(4 x 64 MiB) on both GPUs, so this bounds a prefill GPU's staging memory; set-ups past "
+        "it are refused and those pulls fail (the failure policy applies).",
+    )
+    nccl_max_pairs_per_session: int = Field(
+        DEFAULT_NCCL_MAX_PAIRS_PER_SESSION, ge=1, description="'nccl' transport: NCCL pairs one "
+        "decode worker's session may hold on a prefill worker at once (it needs one; the second "
+        "lets it replace a broken pair before the prefill side has noticed the break).",
     )
     failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="On a failed or timed-out transfer: recompute the prompt on the "

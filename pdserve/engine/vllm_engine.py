@@ -234,6 +234,7 @@ def _kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
         spec.pool, kv.transport, kv.cluster_token, lease_s=kv.lease_s,
         failure_policy=kv.failure_policy, host=kv.advertise_host or _node_ip(),
         model_id=spec.served_name, engine_id=spec.replica_id, nccl_api=kv.nccl_api,
+        nccl_max_pairs=kv.nccl_max_pairs, nccl_max_pairs_per_session=kv.nccl_max_pairs_per_session,
     )
 
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from pdserve.errors import ConfigError
 from pdserve.kv.transport.defaults import (
-    DEFAULT_LEASE_S, DEFAULT_NCCL_API, DEFAULT_PULL_TIMEOUT_S, NCCL_API_CHOICES,
+    DEFAULT_LEASE_S, DEFAULT_NCCL_API, DEFAULT_NCCL_MAX_PAIRS, DEFAULT_NCCL_MAX_PAIRS_PER_SESSION,
+    DEFAULT_PULL_TIMEOUT_S, NCCL_API_CHOICES,
 )
 
 __all__ = ["CONNECTOR_NAME", "ConnectorConfig", "kv_transfer_config", "vllm_kv_transfer_config"]
@@ -59,6 +60,8 @@ class ConnectorConfig:
     idle_sleep_s: float = DEFAULT_IDLE_SLEEP_S
     model_id: str | None = None
     nccl_api: str = DEFAULT_NCCL_API
+    nccl_max_pairs: int = DEFAULT_NCCL_MAX_PAIRS
+    nccl_max_pairs_per_session: int = DEFAULT_NCCL_MAX_PAIRS_PER_SESSION
 
     @property
     def is_producer(self) -> bool:
@@ -132,6 +135,12 @@ class ConnectorConfig:
             raise ConfigError(
                 f"kv_connector_extra_config.nccl_api must be one of {NCCL_API_CHOICES}, got {self.nccl_api!r}"
             )
+        for name in ("nccl_max_pairs", "nccl_max_pairs_per_session"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"kv_connector_extra_config.{name} must be a positive integer, got {value!r}"
+                )
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError("kv_connector_extra_config.host must be the address peers reach this engine at")
 
@@ -151,12 +160,15 @@ def kv_transfer_config(
     model_id: str | None = None,
     engine_id: str | None = None,
     nccl_api: str = DEFAULT_NCCL_API,
+    nccl_max_pairs: int = DEFAULT_NCCL_MAX_PAIRS,
+    nccl_max_pairs_per_session: int = DEFAULT_NCCL_MAX_PAIRS_PER_SESSION,
 ) -> dict[str, Any]:
     """vLLM's `kv_transfer_config` for one engine, as a plain dict (JSON-able, for the CLI too).
 
     `role`: "prefill", "decode" or "both" (or vLLM's kv_producer / kv_consumer / kv_both).
     `host`: the address this engine's KV source advertises to decode engines. `nccl_api`: how
-    NCCL pairs send and receive (transport.defaults.NCCL_API_CHOICES). Validates
+    NCCL pairs send and receive (transport.defaults.NCCL_API_CHOICES); `nccl_max_pairs` and
+    `nccl_max_pairs_per_session`: the live NCCL pairs a prefill worker holds. Validates
     everything now (ConfigError naming the field) rather than at engine start. Pure.
     """
     if role not in _ROLES:
@@ -174,6 +186,10 @@ def kv_transfer_config(
         extra["idle_sleep_s"] = idle_sleep_s
     if nccl_api != DEFAULT_NCCL_API:
         extra["nccl_api"] = nccl_api
+    if nccl_max_pairs != DEFAULT_NCCL_MAX_PAIRS:
+        extra["nccl_max_pairs"] = nccl_max_pairs
+    if nccl_max_pairs_per_session != DEFAULT_NCCL_MAX_PAIRS_PER_SESSION:
+        extra["nccl_max_pairs_per_session"] = nccl_max_pairs_per_session
     if bind_host is not None:
         extra["bind_host"] = bind_host
     if model_id is not None:

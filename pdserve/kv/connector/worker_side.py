@@ -96,7 +96,14 @@ class NetworkTransports:
             advertise_host=self.config.host,
         )
         if self.config.transport == "nccl":
-            return NcclSource(layout, regions, nccl_api=self.config.nccl_api, **options)
+            return NcclSource(
+                layout,
+                regions,
+                nccl_api=self.config.nccl_api,
+                max_pairs=self.config.nccl_max_pairs,
+                max_pairs_per_session=self.config.nccl_max_pairs_per_session,
+                **options,
+            )
         return GrpcSource(layout, regions, **options)
 
     def make_sink(

@@ -5,7 +5,14 @@ here. A light module (no torch, no grpc), so the config tree can import it.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_LEASE_S", "DEFAULT_NCCL_API", "DEFAULT_PULL_TIMEOUT_S", "NCCL_API_CHOICES"]
+__all__ = [
+    "DEFAULT_LEASE_S",
+    "DEFAULT_NCCL_API",
+    "DEFAULT_NCCL_MAX_PAIRS",
+    "DEFAULT_NCCL_MAX_PAIRS_PER_SESSION",
+    "DEFAULT_PULL_TIMEOUT_S",
+    "NCCL_API_CHOICES",
+]
 
 # A pinned request's blocks are freed after this long even if no decode worker pulls them, so a
 # lost decode request cannot leak prefill KV. 30 s is ~100x a slow CPU pull of a long prompt.
@@ -19,3 +26,9 @@ DEFAULT_PULL_TIMEOUT_S = 60.0
 # where the NCCL library loads, else torch. gloo pairs (CPU) always run torch's.
 NCCL_API_CHOICES = ("auto", "direct", "torch")
 DEFAULT_NCCL_API = "auto"
+# Live NCCL pairs a prefill worker holds at once, and per decode session. Each pair holds a
+# staging ring on both GPUs (4 x 64 MiB per side by default: nccl_pair.DEFAULT_STAGING_BYTES), so
+# 16 pairs bound a prefill GPU's staging at 4 GiB. A decode worker needs one pair per prefill
+# worker; 2 per session lets it replace a broken pair before the source has noticed the break.
+DEFAULT_NCCL_MAX_PAIRS = 16
+DEFAULT_NCCL_MAX_PAIRS_PER_SESSION = 2

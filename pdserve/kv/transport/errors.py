@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from pdserve.errors import PdserveError
 
-__all__ = ["AuthenticationError", "IncompatiblePeerError", "KVTransportError", "WireVersionError"]
+__all__ = [
+    "AuthenticationError", "IncompatiblePeerError", "KVTransportError", "PairLimitError", "WireVersionError",
+]
 
 
 class KVTransportError(PdserveError):
@@ -21,6 +23,10 @@ class WireVersionError(KVTransportError):
 
 class AuthenticationError(KVTransportError):
     """The peer did not prove knowledge of this cluster's token."""
+
+
+class PairLimitError(KVTransportError):
+    """A source refused another NCCL pair: the session's or the source's limit is reached."""
 
 
 class IncompatiblePeerError(KVTransportError):

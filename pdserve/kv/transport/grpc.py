@@ -34,7 +34,7 @@ from pdserve.kv.proto import kv_transfer_pb2_grpc as pb_grpc
 from pdserve.kv.transport import blocks, wire
 from pdserve.kv.transport.base import BlockSink, BlockSource, KVTransfer, ReleaseCallback
 from pdserve.kv.transport.defaults import DEFAULT_LEASE_S, DEFAULT_PULL_TIMEOUT_S
-from pdserve.kv.transport.errors import KVTransportError, WireVersionError
+from pdserve.kv.transport.errors import KVTransportError, PairLimitError, WireVersionError
 from pdserve.kv.transport.handshake import PeerInfo
 from pdserve.kv.transport.regions import MAX_BLOCK_NBYTES, BlockRegion, KVLayoutSpec
 from pdserve.kv.transport.sessions import Session, SessionTable
@@ -272,6 +272,8 @@ class _Servicer(pb_grpc.KVTransferServicer):
             return method(*args)
         except NotImplementedError as exc:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
+        except PairLimitError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except LookupError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except (ValueError, KVTransportError) as exc:

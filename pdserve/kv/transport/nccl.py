@@ -29,7 +29,9 @@ waits for the GIL. A watchdog aborts a pair whose pull outlives the pair timeout
 the pending NCCL operations and fails the pull.
 
 Pulls on one pair run one at a time in the same order on both ends. A failed send or receive
-breaks the pair on that end; the next pull sets up a fresh pair.
+breaks the pair on that end; the next pull sets up a fresh pair. A source holds at most
+`max_pairs` live pairs, `max_pairs_per_session` per sink session (sessions.PairBudget), so its
+staging is bounded; a sink drops an idle pair whose source closed it (nccl_pair.Watchdog).
 
 Sends and receives go through direct NCCL calls (nccl_direct) when both ends can make them,
 else through a torch ProcessGroupNCCL (nccl_pair: `pair_api`); gloo on CPU.
@@ -55,7 +57,9 @@ import torch.distributed as dist
 from pdserve.kv.proto import kv_transfer_pb2 as pb
 from pdserve.kv.transport import blocks, control, gpu_copy
 from pdserve.kv.transport.base import KVTransfer
-from pdserve.kv.transport.defaults import DEFAULT_NCCL_API
+from pdserve.kv.transport.defaults import (
+    DEFAULT_NCCL_API, DEFAULT_NCCL_MAX_PAIRS, DEFAULT_NCCL_MAX_PAIRS_PER_SESSION,
+)
 from pdserve.kv.transport.errors import KVTransportError
 from pdserve.kv.transport.grpc import HANDSHAKE_TIMEOUT_S, GrpcSink, GrpcSource, SourceSession
 from pdserve.kv.transport.nccl_pair import (
@@ -64,7 +68,7 @@ from pdserve.kv.transport.nccl_pair import (
     on_stream, pair_api, resolve_api,
 )
 from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec
-from pdserve.kv.transport.sessions import Session
+from pdserve.kv.transport.sessions import PairBudget, Session
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +102,8 @@ class NcclSource(GrpcSource):
 
     Takes GrpcSource's arguments plus `staging_bytes` (per buffer: the batch size of one
     send), `staging_buffers` (ring depth), `nccl_min_channels` (0: NCCL's choice),
-    `pair_timeout_s`, `nccl_api` ("auto", "direct" or "torch": nccl_pair.resolve_api) and
+    `pair_timeout_s`, `nccl_api` ("auto", "direct" or "torch": nccl_pair.resolve_api),
+    `max_pairs` and `max_pairs_per_session` (live pairs, so staging is bounded: PairBudget) and
     `trace` (keep a SourceTrace per pull in `traces`, for benchmarks); the sink of each pair
     adopts the first three and the API chosen for the pair. Each pair has its own
     thread: it joins the group, accepts the control connection, then serves the pair's pulls in
@@ -115,6 +120,8 @@ class NcclSource(GrpcSource):
         nccl_min_channels: int = 0,
         pair_timeout_s: float = DEFAULT_PAIR_TIMEOUT_S,
         nccl_api: str = DEFAULT_NCCL_API,
+        max_pairs: int = DEFAULT_NCCL_MAX_PAIRS,
+        max_pairs_per_session: int = DEFAULT_NCCL_MAX_PAIRS_PER_SESSION,
         trace: bool = False,
         **grpc_options,
     ):
@@ -133,6 +140,7 @@ class NcclSource(GrpcSource):
         self._runs = gpu_copy.RunTable.build(regions)  # one-launch gathers on CUDA, else None
         self._pairs: dict[str, tuple[Pair, socket.socket]] = {}
         self._pairs_lock = threading.Lock()
+        self._budget = PairBudget(max_pairs, max_pairs_per_session)
         self._closing = False
         self.traces: deque[SourceTrace] | None = deque(maxlen=_TRACE_LEN) if trace else None
         super().__init__(layout, regions, **grpc_options)
@@ -141,7 +149,15 @@ class NcclSource(GrpcSource):
     def serve_setup_communicator(self, pair_id: str, backend: str, session: Session) -> tuple[str, bytes]:
         """Server thread, once per pair: hosts the pair's store and control listener and starts
         the pair thread, whose pulls read as `session`. Returns at once with the store's
-        address and the pair settings."""
+        address and the pair settings; raises PairLimitError past the pair limits."""
+        self._budget.reserve(session, pair_id)
+        try:
+            return self._start_pair(pair_id, backend, session)
+        except BaseException:
+            self._budget.release(session, pair_id)
+            raise
+
+    def _start_pair(self, pair_id: str, backend: str, session: Session) -> tuple[str, bytes]:
         regions = self.regions_for(session.layout)
         api = pair_api(backend, self.backend, self.nccl_api)
         timeout = datetime.timedelta(seconds=self.pair_timeout_s)
@@ -163,13 +179,13 @@ class NcclSource(GrpcSource):
         control_port = listener.getsockname()[1]  # before the pair thread may close it
         key = secrets.token_bytes(32)
         with self._pairs_lock:
-            if pair_id in self._pairs or self._closing:
+            if self._closing:
                 listener.close()
-                raise ValueError(f"pair {pair_id!r} already exists or the source is closing")
+                raise ValueError("the KV source is closing")
             self._pairs[pair_id] = (pair, listener)
         threading.Thread(
             target=self._serve_pair,
-            args=(pair, listener, key, session.session_id),
+            args=(pair, listener, key, session),
             name=f"kv-pair-{pair_id}",
             daemon=True,
         ).start()
@@ -212,7 +228,7 @@ class NcclSource(GrpcSource):
                 raise TimeoutError(f"{sum(not t.done for t in traces)} pulls still sending")
             time.sleep(0.001)
 
-    def _serve_pair(self, pair: Pair, listener: socket.socket, key: bytes, reader: str) -> None:
+    def _serve_pair(self, pair: Pair, listener: socket.socket, key: bytes, session: Session) -> None:
         try:
             pair.join(rank=0, host=self.host)
             pair.control = control.accept(listener, key, pair.timeout_s)
@@ -225,7 +241,7 @@ class NcclSource(GrpcSource):
                 if self.traces is not None:
                     trace = SourceTrace(header.request_id, header_read=time.monotonic())
                     self.traces.append(trace)
-                self._serve_pull(pair, conn, header, reader, trace)
+                self._serve_pull(pair, conn, header, session.session_id, trace)
         except Exception as exc:  # noqa: BLE001 - a broken pair is dropped; its sink fails its pull
             closed = self._closing or isinstance(exc, ConnectionError)
             level = logging.DEBUG if closed else logging.WARNING
@@ -235,6 +251,7 @@ class NcclSource(GrpcSource):
                 self._pairs.pop(pair.pair_id, None)
             listener.close()
             pair.abort()
+            self._budget.release(session, pair.pair_id)
 
     def _serve_pull(
         self,
@@ -365,7 +382,7 @@ class NcclSink(GrpcSink):
         self.traces: deque[PullTrace] | None = deque(maxlen=_TRACE_LEN) if trace else None
         self._runs = gpu_copy.RunTable.build(regions)  # one-launch scatters on CUDA, else None
         super().__init__(layout, regions, **grpc_options)
-        self._watchdog = Watchdog(self._pairs, self._lock)
+        self._watchdog = Watchdog(self._pairs, self._lock, drop_closed=True)
 
     def close(self) -> None:
         """Closes like GrpcSink, then aborts every pair."""

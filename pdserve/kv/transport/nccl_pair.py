@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import select
 import socket
 import threading
 import time
@@ -239,15 +240,26 @@ class Pair:
 
 
 class Watchdog:
-    """One thread per endpoint that aborts pairs whose pull outlived its deadline.
+    """One thread per endpoint that aborts pairs whose pull outlived its deadline and, with
+    `drop_closed` (sinks), drops idle pairs whose peer closed their control connection.
 
     NCCL operations never time out on the host side by themselves (the pull thread waits on a
-    CUDA event), so a dead or stuck peer is caught here. Lifecycle: start in the endpoint's
-    constructor, `stop` in its close.
+    CUDA event), so a dead or stuck peer is caught here. A sink's pair to a source that went
+    away would otherwise keep its staging ring (4 x 64 MiB of GPU memory) until the next pull
+    from that address, which may never come; a source's pair thread sees the close itself.
+    Lifecycle: start in the endpoint's constructor, `stop` in its close.
     """
 
-    def __init__(self, pairs: dict, lock: threading.Lock, period_s: float = WATCHDOG_PERIOD_S):
+    def __init__(
+        self,
+        pairs: dict,
+        lock: threading.Lock,
+        period_s: float = WATCHDOG_PERIOD_S,
+        *,
+        drop_closed: bool = False,
+    ):
         self._pairs, self._lock, self._period_s = pairs, lock, period_s
+        self._drop_closed = drop_closed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-nccl-watchdog", daemon=True)
         self._thread.start()
@@ -257,14 +269,43 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self._period_s):
-            now = time.monotonic()
-            with self._lock:
-                entries = list(self._pairs.values())
-            for entry in entries:
-                pair = entry[0] if isinstance(entry, tuple) else entry
-                if pair.deadline is not None and now > pair.deadline:
-                    logger.warning("KV pair %s: pull exceeded %.0f s, aborting", pair.pair_id, pair.timeout_s)
-                    pair.abort()
+            self._check(time.monotonic())  # a call, so no pair stays referenced between checks
+
+    def _check(self, now: float) -> None:
+        with self._lock:
+            entries = list(self._pairs.values())
+        for entry in entries:
+            pair = entry[0] if isinstance(entry, tuple) else entry
+            if pair.deadline is not None and now > pair.deadline:
+                logger.warning("KV pair %s: pull exceeded %.0f s, aborting", pair.pair_id, pair.timeout_s)
+                pair.abort()
+            elif self._drop_closed and _idle_and_closed(pair):
+                logger.info("KV pair %s: the source closed it; dropping it and its staging", pair.pair_id)
+                with self._lock:
+                    for key in [k for k, v in self._pairs.items() if v is entry]:
+                        del self._pairs[key]
+                pair.abort()
+
+
+def _idle_and_closed(pair: Pair) -> bool:
+    """True when no pull holds the pair and its peer closed the control connection (EOF or
+    reset). Reads nothing and never blocks: it skips a pair whose lock a pull holds."""
+    if not pair.lock.acquire(blocking=False):
+        return False
+    try:
+        conn = pair.control
+        if conn is None:
+            return pair.group is None  # aborted already: nothing more will use it
+        try:
+            readable, _, _ = select.select([conn], [], [], 0)
+            # Between pulls the source sends nothing: readable with nothing to read is EOF.
+            return bool(readable) and conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except (OSError, ValueError):  # reset, or closed under us
+            return True
+    finally:
+        pair.lock.release()
 
 
 def decode_settings(params: bytes) -> dict[str, float | int | bytes]:

@@ -21,11 +21,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.kv.transport.errors import AuthenticationError
+from pdserve.kv.transport.defaults import DEFAULT_NCCL_MAX_PAIRS, DEFAULT_NCCL_MAX_PAIRS_PER_SESSION
+from pdserve.kv.transport.errors import AuthenticationError, PairLimitError
 from pdserve.kv.transport.handshake import new_nonce
 from pdserve.kv.transport.regions import KVLayoutSpec
 
-__all__ = ["CHALLENGE_TTL_S", "ChallengeTable", "Session", "SessionTable"]
+__all__ = ["CHALLENGE_TTL_S", "ChallengeTable", "PairBudget", "Session", "SessionTable"]
 
 # A sink answers a challenge within one round trip; 10 s is twice the handshake timeout.
 CHALLENGE_TTL_S = 10.0
@@ -104,3 +105,41 @@ class SessionTable:
         if session is None or session.peer != peer:
             return None
         return session
+
+
+class PairBudget:
+    """The NCCL pairs a source holds, by session: a pair counts from its SetupCommunicator
+    until its thread ends, so staging memory is bounded by `max_pairs` rings. Thread-safe."""
+
+    def __init__(
+        self,
+        max_pairs: int = DEFAULT_NCCL_MAX_PAIRS,
+        max_per_session: int = DEFAULT_NCCL_MAX_PAIRS_PER_SESSION,
+    ):
+        if max_pairs < 1 or max_per_session < 1:
+            raise ValueError(f"pair limits must be positive, got {max_pairs} and {max_per_session}")
+        self.max_pairs, self.max_per_session = max_pairs, max_per_session
+        self._pair_ids: set[str] = set()
+        self._lock = threading.Lock()
+
+    def reserve(self, session: Session, pair_id: str) -> None:
+        """Counts a new pair; raises PairLimitError past a limit, ValueError for a pair id in
+        use. Server thread, once per SetupCommunicator, before anything is allocated."""
+        with self._lock:
+            if pair_id in self._pair_ids:
+                raise ValueError(f"pair {pair_id!r} already exists")
+            if len(session.pairs) >= self.max_per_session:
+                raise PairLimitError(
+                    f"session of {session.engine_id!r} already holds {len(session.pairs)} NCCL pairs "
+                    f"(limit {self.max_per_session})"
+                )
+            if len(self._pair_ids) >= self.max_pairs:
+                raise PairLimitError(f"this KV source already holds {self.max_pairs} NCCL pairs")
+            self._pair_ids.add(pair_id)
+            session.pairs.add(pair_id)
+
+    def release(self, session: Session, pair_id: str) -> None:
+        """Uncounts a pair that ended (or failed to start); its thread or its set-up, once."""
+        with self._lock:
+            self._pair_ids.discard(pair_id)
+            session.pairs.discard(pair_id)

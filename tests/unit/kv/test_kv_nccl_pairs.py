@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import time
+import weakref
+
+import grpc
 import msgpack
 import pytest
 from kv_helpers import LAYOUT, TOKEN, WAIT_S, assert_blocks_equal, kv_regions
@@ -182,3 +187,46 @@ def test_a_sink_refuses_a_direct_pair_it_did_not_offer(pair_ends, monkeypatch):
     transfer = sink.start_pull(source.address, "r", [1], [1])
     assert transfer.wait(WAIT_S) is TransferState.FAILED
     assert "did not offer" in transfer.error
+
+
+def test_pair_set_ups_past_the_session_and_source_limits_are_refused():
+    source = NcclSource(
+        LAYOUT, kv_regions(16, seed=1), engine_id="prefill-0", cluster_token=TOKEN, pair_timeout_s=5,
+        max_pairs=2, max_pairs_per_session=1,
+    )
+    sinks = [
+        NcclSink(LAYOUT, kv_regions(16, seed=2, sink_side=True), engine_id=f"decode-{i}", cluster_token=TOKEN)
+        for i in range(3)
+    ]
+    try:
+        for i, sink in enumerate(sinks[:2]):
+            assert pull(source, sinks[i], f"req-{i}", [i + 1])[0] is TransferState.DONE
+        # A second pair on one session (white box: the sink would reuse its pair).
+        with pytest.raises(grpc.RpcError) as refused:
+            sinks[0]._setup_pair(sinks[0].session(source.address))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limit 1" in refused.value.details()
+        # A third session: the source holds its two pairs already.
+        state, transfer = pull(source, sinks[2], "req-2", [3])
+        assert state is TransferState.FAILED and "already holds 2 NCCL pairs" in transfer.error
+        assert len(source._pairs) == 2
+    finally:
+        for sink in sinks:
+            sink.close()
+        source.close()
+
+
+def test_a_sink_drops_a_pair_whose_source_closed_and_frees_its_staging(pair_ends):
+    source, sink = pair_ends
+    assert pull(source, sink, "first", [1, 2])[0] is TransferState.DONE
+    (pair,) = sink._pairs.values()
+    staging = weakref.ref(pair.staging[0])
+    del pair
+
+    source.close()
+    deadline = time.monotonic() + WAIT_S
+    while sink._pairs and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not sink._pairs
+    gc.collect()
+    assert staging() is None

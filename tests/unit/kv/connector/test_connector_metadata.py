@@ -120,6 +120,8 @@ def test_kv_transfer_config_builds_what_vllm_expects() -> None:
         ({"port": 70000}, "port"),
         ({"pull_timeout_s": -1}, "pull_timeout_s"),
         ({"nccl_api": "fast"}, "nccl_api"),
+        ({"nccl_max_pairs": 0}, "nccl_max_pairs"),
+        ({"nccl_max_pairs_per_session": True}, "nccl_max_pairs_per_session"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(kwargs: dict, field: str) -> None:
@@ -147,6 +149,23 @@ def test_the_deployments_nccl_api_reaches_the_nccl_endpoints(monkeypatch) -> Non
     # The default stays out of the extra config, which is then what it was before the setting.
     default = kv_transfer_config("prefill", "nccl", "t")["kv_connector_extra_config"]
     assert "nccl_api" not in default and ConnectorConfig.from_extra("kv_producer", default).nccl_api == "auto"
+
+
+def test_the_deployments_nccl_pair_limits_reach_the_nccl_source(monkeypatch) -> None:
+    tree = PdserveConfig.model_validate(
+        {"kv": {"transport": "nccl", "cluster_token": "t", "advertise_host": "10.0.0.7",
+                "nccl_max_pairs": 3, "nccl_max_pairs_per_session": 1}}
+    )
+    vllm_config = vllm_engine._kv_transfer_config(EngineSpec("prefill-0", "prefill", "/m", "m", tree))
+    config = ConnectorConfig.from_vllm(SimpleNamespace(**vllm_config))
+    built = []
+    monkeypatch.setattr(
+        nccl, "NcclSource", lambda *a, **o: built.append((o["max_pairs"], o["max_pairs_per_session"]))
+    )
+    NetworkTransports(config).make_source(None, [], engine_id="e", on_release=lambda *a: None, tp_rank=0)
+    assert built == [(3, 1)]
+    default = kv_transfer_config("prefill", "nccl", "t")["kv_connector_extra_config"]
+    assert "nccl_max_pairs" not in default and "nccl_max_pairs_per_session" not in default
 
 
 def test_unknown_extra_keys_and_policy_disagreement_are_refused() -> None:
