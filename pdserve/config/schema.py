@@ -217,6 +217,36 @@ class KVTransferConfig(_Section):
         None, description="Address prefill workers advertise to decode workers; default: the "
         "node's IP as Ray sees it.",
     )
+    tls_certfile: Path | None = Field(
+        None, description="PEM certificate (chain) of this deployment's engines for the KV gRPC "
+        "channel: prefill workers serve with it, decode workers present it when tls_client_auth "
+        "is on. Its names must cover the addresses prefill workers advertise (or tls_server_name). "
+        "Needs tls_keyfile. None: the KV channel is plaintext.",
+    )
+    tls_keyfile: Path | None = Field(None, description="PEM private key of tls_certfile.")
+    tls_ca_file: Path | None = Field(
+        None, description="PEM CA certificate(s) that decode workers check prefill workers' "
+        "certificates against (None: the system's roots) and, with tls_client_auth, that prefill "
+        "workers check decode workers' certificates against.",
+    )
+    tls_client_auth: bool = Field(
+        False, description="Prefill workers require a client certificate signed by tls_ca_file "
+        "from every decode worker (mutual TLS). Needs tls_certfile and tls_ca_file.",
+    )
+    tls_server_name: str | None = Field(
+        None, description="Name decode workers expect in prefill workers' certificates, when the "
+        "certificates name the cluster rather than each host's address.",
+    )
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> KVTransferConfig:
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("kv.tls_certfile and kv.tls_keyfile go together: set both or neither")
+        if self.tls_client_auth and (self.tls_certfile is None or self.tls_ca_file is None):
+            raise ValueError("kv.tls_client_auth needs kv.tls_certfile, kv.tls_keyfile and kv.tls_ca_file")
+        if self.tls_certfile is None and (self.tls_ca_file is not None or self.tls_server_name is not None):
+            raise ValueError("kv.tls_ca_file and kv.tls_server_name need kv.tls_certfile (TLS on)")
+        return self
 
 
 class SloConfig(_Section):

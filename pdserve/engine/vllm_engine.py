@@ -235,7 +235,15 @@ def _kv_transfer_config(spec: EngineSpec) -> dict[str, Any]:
         failure_policy=kv.failure_policy, host=kv.advertise_host or _node_ip(),
         model_id=spec.served_name, engine_id=spec.replica_id, nccl_api=kv.nccl_api,
         nccl_max_pairs=kv.nccl_max_pairs, nccl_max_pairs_per_session=kv.nccl_max_pairs_per_session,
+        tls_certfile=_path(kv.tls_certfile), tls_keyfile=_path(kv.tls_keyfile),
+        tls_ca_file=_path(kv.tls_ca_file), tls_client_auth=kv.tls_client_auth,
+        tls_server_name=kv.tls_server_name,
     )
+
+
+def _path(path: os.PathLike[str] | None) -> str | None:
+    """A config path as the string the connector's JSON-able config holds."""
+    return None if path is None else str(path)
 
 
 def _node_ip() -> str:

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.errors import ConfigError
 from pdserve.kv.transport.defaults import (
     DEFAULT_LEASE_S, DEFAULT_NCCL_API, DEFAULT_NCCL_MAX_PAIRS, DEFAULT_NCCL_MAX_PAIRS_PER_SESSION,
     DEFAULT_PULL_TIMEOUT_S, NCCL_API_CHOICES,
 )
+
+if TYPE_CHECKING:
+    from pdserve.kv.transport.tls import TlsFiles
 
 __all__ = ["CONNECTOR_NAME", "ConnectorConfig", "kv_transfer_config", "vllm_kv_transfer_config"]
 
@@ -62,6 +65,23 @@ class ConnectorConfig:
     nccl_api: str = DEFAULT_NCCL_API
     nccl_max_pairs: int = DEFAULT_NCCL_MAX_PAIRS
     nccl_max_pairs_per_session: int = DEFAULT_NCCL_MAX_PAIRS_PER_SESSION
+    # TLS on the KV gRPC channel (transport/tls.py): off while tls_certfile is None.
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+    tls_ca_file: str | None = None
+    tls_client_auth: bool = False
+    tls_server_name: str | None = None
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """The endpoints' TLS files, or None for a plaintext KV channel."""
+        if self.tls_certfile is None or self.tls_keyfile is None:
+            return None
+        from pdserve.kv.transport.tls import TlsFiles  # imports grpc: only where TLS is on
+
+        return TlsFiles(
+            self.tls_certfile, self.tls_keyfile, self.tls_ca_file, self.tls_client_auth, self.tls_server_name
+        )
 
     @property
     def is_producer(self) -> bool:
@@ -141,8 +161,23 @@ class ConnectorConfig:
                 raise ConfigError(
                     f"kv_connector_extra_config.{name} must be a positive integer, got {value!r}"
                 )
+        self._validate_tls()
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError("kv_connector_extra_config.host must be the address peers reach this engine at")
+
+    def _validate_tls(self) -> None:
+        for name in ("tls_certfile", "tls_keyfile", "tls_ca_file", "tls_server_name"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(
+                    f"kv_connector_extra_config.{name} must be a non-empty string, got {value!r}"
+                )
+        if not isinstance(self.tls_client_auth, bool):
+            raise ConfigError("kv_connector_extra_config.tls_client_auth must be true or false")
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ConfigError("kv_connector_extra_config.tls_certfile and tls_keyfile go together")
+        if self.tls_client_auth and (self.tls_certfile is None or self.tls_ca_file is None):
+            raise ConfigError("kv_connector_extra_config.tls_client_auth needs tls_certfile and tls_ca_file")
 
 
 def kv_transfer_config(
@@ -162,13 +197,19 @@ def kv_transfer_config(
     nccl_api: str = DEFAULT_NCCL_API,
     nccl_max_pairs: int = DEFAULT_NCCL_MAX_PAIRS,
     nccl_max_pairs_per_session: int = DEFAULT_NCCL_MAX_PAIRS_PER_SESSION,
+    tls_certfile: str | None = None,
+    tls_keyfile: str | None = None,
+    tls_ca_file: str | None = None,
+    tls_client_auth: bool = False,
+    tls_server_name: str | None = None,
 ) -> dict[str, Any]:
     """vLLM's `kv_transfer_config` for one engine, as a plain dict (JSON-able, for the CLI too).
 
     `role`: "prefill", "decode" or "both" (or vLLM's kv_producer / kv_consumer / kv_both).
     `host`: the address this engine's KV source advertises to decode engines. `nccl_api`: how
     NCCL pairs send and receive (transport.defaults.NCCL_API_CHOICES); `nccl_max_pairs` and
-    `nccl_max_pairs_per_session`: the live NCCL pairs a prefill worker holds. Validates
+    `nccl_max_pairs_per_session`: the live NCCL pairs a prefill worker holds; `tls_*`: TLS on
+    the KV gRPC channel (transport/tls.py), each set only when given. Validates
     everything now (ConfigError naming the field) rather than at engine start. Pure.
     """
     if role not in _ROLES:
@@ -190,6 +231,14 @@ def kv_transfer_config(
         extra["nccl_max_pairs"] = nccl_max_pairs
     if nccl_max_pairs_per_session != DEFAULT_NCCL_MAX_PAIRS_PER_SESSION:
         extra["nccl_max_pairs_per_session"] = nccl_max_pairs_per_session
+    tls = {
+        "tls_certfile": tls_certfile,
+        "tls_keyfile": tls_keyfile,
+        "tls_ca_file": tls_ca_file,
+        "tls_client_auth": tls_client_auth or None,
+        "tls_server_name": tls_server_name,
+    }
+    extra.update({key: value for key, value in tls.items() if value is not None})
     if bind_host is not None:
         extra["bind_host"] = bind_host
     if model_id is not None:

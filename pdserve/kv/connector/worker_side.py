@@ -94,6 +94,7 @@ class NetworkTransports:
             host=self.config.bind_host or self.config.host,
             port=port,
             advertise_host=self.config.host,
+            tls=self.config.tls,
         )
         if self.config.transport == "nccl":
             return NcclSource(
@@ -117,6 +118,7 @@ class NetworkTransports:
             engine_id=engine_id,
             cluster_token=self.config.cluster_token,
             pull_timeout_s=self.config.pull_timeout_s,
+            tls=self.config.tls,
         )
         if transport == "nccl":
             return NcclSink(layout, regions, nccl_api=self.config.nccl_api, **options)

@@ -14,7 +14,8 @@ a session id that later calls must carry, valid only from the connection that ha
 leases.py). Before authentication a caller gets small messages only (MAX_HANDSHAKE_BYTES; the
 server reads at most MAX_REQUEST_BYTES from anyone), and the server serves or queues at most
 `max_concurrent_rpcs` calls. Only protobuf crosses the wire; block bytes are copied into
-tensors, never unpickled. The channel itself is plaintext (no TLS yet).
+tensors, never unpickled. The channel is plaintext unless both ends are given `tls` (tls.py:
+server certificate, and optionally client certificates checked against a CA).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pdserve.kv.transport.errors import KVTransportError, PairLimitError, WireVe
 from pdserve.kv.transport.handshake import PeerInfo
 from pdserve.kv.transport.regions import MAX_BLOCK_NBYTES, BlockRegion, KVLayoutSpec
 from pdserve.kv.transport.sessions import Session, SessionTable
+from pdserve.kv.transport.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +98,11 @@ class GrpcSource(BlockSource):
         advertise_host: str | None = None,
         server_threads: int = DEFAULT_SERVER_THREADS,
         max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
+        tls: TlsFiles | None = None,
     ):
-        """Binds `host:port` (port 0 picks a free one) and starts serving; `advertise_host` is
-        the host sinks dial (default: `host`, or this machine's IP for a wildcard bind)."""
+        """Binds `host:port` (port 0 picks a free one) and starts serving, over TLS when `tls`
+        is given; `advertise_host` is the host sinks dial (default: `host`, or this machine's
+        IP for a wildcard bind)."""
         super().__init__(
             layout,
             regions,
@@ -115,7 +119,10 @@ class GrpcSource(BlockSource):
         )
         pb_grpc.add_KVTransferServicer_to_server(_Servicer(self), self._server)
         try:
-            bound = self._server.add_insecure_port(f"{host}:{port}")
+            if tls is None:
+                bound = self._server.add_insecure_port(f"{host}:{port}")
+            else:
+                bound = self._server.add_secure_port(f"{host}:{port}", tls.server_credentials())
         except RuntimeError:
             bound = 0
         if bound == 0:
@@ -304,10 +311,12 @@ class GrpcSink(BlockSink):
         max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
         pull_threads: int = DEFAULT_PULL_THREADS,
+        tls: TlsFiles | None = None,
     ):
         super().__init__(layout, regions, engine_id=engine_id, cluster_token=cluster_token)
         self.max_chunk_bytes = max_chunk_bytes
         self.pull_timeout_s = pull_timeout_s
+        self._tls = tls
         self._executor = futures.ThreadPoolExecutor(max_workers=pull_threads, thread_name_prefix="kv-pull")
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
@@ -461,8 +470,14 @@ class GrpcSink(BlockSink):
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                self._channels[address] = self._open_channel(address)
             return self._channels[address]
+
+    def _open_channel(self, address: str) -> grpc.Channel:
+        if self._tls is None:
+            return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        options = _CHANNEL_OPTIONS + self._tls.channel_options()
+        return grpc.secure_channel(address, self._tls.channel_credentials(), options=options)
 
     def _handshake(self, address: str) -> SourceSession:
         """Challenge, then Handshake, on the channel later calls use (the session is bound to

@@ -275,3 +275,38 @@ def test_prompt_blocks_are_cut_from_either_versions_block_list() -> None:
     assert compat.prompt_block_ids([5, 6, 7, 8], 129, 128) == [5, 6]  # 0.24: every allocated block
     assert compat.prompt_block_ids([5, 6], 129, 128) == [5, 6]  # 0.32: computed tokens' blocks
     assert compat.prompt_block_ids([5], 129, 128) is None
+
+
+def test_the_deployments_kv_tls_reaches_both_endpoints(monkeypatch) -> None:
+    tree = PdserveConfig.model_validate(
+        {"kv": {"transport": "nccl", "cluster_token": "t", "advertise_host": "10.0.0.7",
+                "tls_certfile": "/pki/engine.pem", "tls_keyfile": "/pki/engine.key",
+                "tls_ca_file": "/pki/ca.pem", "tls_client_auth": True}}
+    )
+    vllm_config = vllm_engine._kv_transfer_config(EngineSpec("decode-0", "decode", "/m", "m", tree))
+    config = ConnectorConfig.from_vllm(SimpleNamespace(**vllm_config))
+    built = []
+    monkeypatch.setattr(nccl, "NcclSource", lambda *a, **options: built.append(options["tls"]))
+    monkeypatch.setattr(nccl, "NcclSink", lambda *a, **options: built.append(options["tls"]))
+    transports = NetworkTransports(config)
+    transports.make_source(None, [], engine_id="e", on_release=lambda *a: None, tp_rank=0)
+    transports.make_sink("nccl", None, [], engine_id="e")
+    assert [(t.certfile, t.keyfile, t.ca_file, t.client_auth) for t in built] == [
+        ("/pki/engine.pem", "/pki/engine.key", "/pki/ca.pem", True)
+    ] * 2
+    plain = kv_transfer_config("prefill", "grpc", "t")["kv_connector_extra_config"]
+    assert not any(key.startswith("tls_") for key in plain)
+    assert ConnectorConfig.from_extra("kv_producer", plain).tls is None
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        {"tls_certfile": "/c.pem"},
+        {"tls_certfile": "/c.pem", "tls_keyfile": "/k.pem", "tls_client_auth": True},
+        {"tls_ca_file": "/ca.pem"},
+    ],
+)
+def test_incomplete_kv_tls_settings_are_refused(kv) -> None:
+    with pytest.raises(ValueError, match="kv.tls_"):
+        PdserveConfig.model_validate({"kv": kv})
