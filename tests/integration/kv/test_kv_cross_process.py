@@ -120,3 +120,21 @@ def test_source_process_killed_mid_stream_fails_both_kinds_of_pull():
         finally:
             for sink in sinks.values():
                 sink.close()
+
+
+def test_a_sink_drops_its_pair_once_the_source_process_is_gone():
+    # A killed process's sockets are closed by its kernel: the sink sees the control
+    # connection end between pulls and frees the pair's staging without another pull.
+    with source_process() as (address, process, _):
+        sink = make_sink("nccl", kv_peer.kv_regions(20, seed=99, sink_side=True))
+        try:
+            transfer = sink.start_pull(address, kv_peer.REQUEST_IDS["nccl"], kv_peer.SRC_IDS, list(range(8)))
+            assert transfer.wait(WAIT_S) is TransferState.DONE, transfer
+            assert len(sink._pairs) == 1  # white box: the pair outlives the pull
+            process.kill()
+            deadline = time.monotonic() + WAIT_S
+            while sink._pairs and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not sink._pairs
+        finally:
+            sink.close()
