@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from kv_helpers import LAYOUT, TOKEN, kv_regions
+from kv_helpers import LAYOUT, TOKEN, WAIT_S, kv_regions
 
 from pdserve.kv.proto import kv_transfer_pb2 as pb
 from pdserve.kv.proto import kv_transfer_pb2_grpc as pb_grpc
+from pdserve.kv.transport import grpc as grpc_transport
 from pdserve.kv.transport import wire
-from pdserve.kv.transport.grpc import GrpcSource
+from pdserve.kv.transport.base import TransferState
+from pdserve.kv.transport.errors import WireVersionError
+from pdserve.kv.transport.grpc import GrpcSink, GrpcSource
 from pdserve.kv.transport.handshake import WIRE_VERSION, Transcript, make_hello, new_nonce
+from pdserve.kv.transport.sessions import SessionTable
 
 pytestmark = pytest.mark.unit
 
@@ -190,4 +194,29 @@ def test_calls_past_the_concurrency_cap_are_refused(slow_gather):
         stream.cancel()
     finally:
         channel.close()
+        source.close()
+
+
+def test_a_sink_whose_session_the_source_forgot_handshakes_again_and_pulls(source_stub):
+    source, _ = source_stub
+    sink = GrpcSink(LAYOUT, kv_regions(4, seed=2, sink_side=True), engine_id="decode-0", cluster_token=TOKEN)
+    try:
+        sink.handshake(source.address)
+        source.sessions = SessionTable()  # as after a reconnect: the old session is refused
+        transfer = sink.start_pull(source.address, "req-1", [1], [2])
+        assert transfer.wait(WAIT_S) is TransferState.DONE, transfer.error
+    finally:
+        sink.close()
+
+
+def test_a_source_of_the_last_version_is_refused_naming_the_versions(monkeypatch):
+    # A v4 source has no Challenge call: the generated servicer's default answers UNIMPLEMENTED.
+    monkeypatch.setattr(grpc_transport._Servicer, "Challenge", pb_grpc.KVTransferServicer.Challenge)
+    source = GrpcSource(LAYOUT, kv_regions(4, seed=1), engine_id="prefill-0", cluster_token=TOKEN)
+    sink = GrpcSink(LAYOUT, kv_regions(4, seed=2, sink_side=True), engine_id="decode-0", cluster_token=TOKEN)
+    try:
+        with pytest.raises(WireVersionError, match=f"this side speaks {WIRE_VERSION}, the source at"):
+            sink.handshake(source.address)
+    finally:
+        sink.close()
         source.close()
