@@ -70,11 +70,13 @@ async def serve(config: PdserveConfig) -> None:
 
 def uvicorn_config(app: Any, config: PdserveConfig) -> uvicorn.Config:
     api = config.api
-    deadlines = ConnectionDeadlines(api.header_timeout_s, api.write_timeout_s)
+    deadlines = ConnectionDeadlines(api.header_timeout_s, api.write_timeout_s,
+                                    api.max_header_bytes)
     return uvicorn.Config(
         app, host=api.host, port=api.port, log_level=api.log_level, loop="none",
         lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=api.keep_alive_s,
         http=deadline_protocol(deadlines), limit_concurrency=api.max_connections,
+        h11_max_incomplete_event_size=api.max_header_bytes,
         ssl_certfile=api.ssl_certfile, ssl_keyfile=api.ssl_keyfile)
 
 

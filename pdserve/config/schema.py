@@ -368,6 +368,11 @@ class ApiConfig(_Section):
         "from the connection's start or a kept-alive request's first byte; then 408 and the "
         "connection closes (a half-sent head must not hold a connection).",
     )
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest request head (request line and headers) "
+        "accepted; past it 431 and the connection closes. uvicorn's httptools parser has no such "
+        "bound of its own (h11's is 16 KiB).",
+    )
     body_timeout_s: float = Field(
         60.0, gt=0, description="Time a client has to send a request's whole body once its head "
         "arrived; then 408 and the connection closes. 60 s: max_body_bytes at ~1 Mbit/s.",

@@ -1,7 +1,7 @@
 """`pdserve serve --engine mock` over HTTPS (a self-signed certificate made here) against
 clients that misbehave on the wire: a half-sent request head, a body that never arrives, a
 stream reader that stops reading. Each is cut off within its deadline, and the server keeps
-serving (the stalled stream's admission slot is freed). Also: `pdserve config show` shows no
+serving (the stalled stream's admission slot is freed); an endless head is refused. Also: `pdserve config show` shows no
 secret."""
 
 from __future__ import annotations
@@ -143,6 +143,18 @@ def test_a_half_sent_request_head_is_cut_off_within_the_deadline(server):
     assert DEADLINE_S - 0.5 <= waited <= DEADLINE_S + SLACK_S, waited
     assert answer.startswith(b"HTTP/1.1 408"), answer
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    assert complete(server).status_code == 200
+
+
+def test_a_request_head_over_the_limit_gets_431(server):
+    filler = b"".join(b"X-Filler-%03d: " % i + b"a" * 86 + b"\r\n" for i in range(670))
+    with connect(server) as sock:
+        # 67 KB of head, past the 64 KiB default, never finished; sent whole, then read, so the
+        # server has read all of it when it closes (unread bytes would turn its FIN into a RST).
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: pdserve\r\n" + filler)
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert b'"request_header_fields_too_large"' in answer
     assert complete(server).status_code == 200
 
 
