@@ -122,19 +122,44 @@ def test_source_process_killed_mid_stream_fails_both_kinds_of_pull():
                 sink.close()
 
 
-def test_a_sink_drops_its_pair_once_the_source_process_is_gone():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+                ),
+            ],
+        ),
+    ],
+)
+def test_a_sink_drops_its_pair_once_the_source_process_is_gone(device):
     # A killed process's sockets are closed by its kernel: the sink sees the control
     # connection end between pulls and frees the pair's staging without another pull.
-    with source_process() as (address, process, _):
-        sink = make_sink("nccl", kv_peer.kv_regions(20, seed=99, sink_side=True))
+    source_device, sink_device = ("cuda:0", "cuda:1") if device == "cuda" else ("cpu", "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(sink_device)
+    with source_process(device=source_device) as (address, process, _):
+        sink = make_sink("nccl", kv_peer.kv_regions(20, seed=99, sink_side=True, device=sink_device))
         try:
+            before = torch.cuda.memory_allocated(sink_device) if device == "cuda" else 0
             transfer = sink.start_pull(address, kv_peer.REQUEST_IDS["nccl"], kv_peer.SRC_IDS, list(range(8)))
             assert transfer.wait(WAIT_S) is TransferState.DONE, transfer
             assert len(sink._pairs) == 1  # white box: the pair outlives the pull
+            held = torch.cuda.memory_allocated(sink_device) - before if device == "cuda" else 0
             process.kill()
             deadline = time.monotonic() + WAIT_S
             while sink._pairs and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert not sink._pairs
+            if device == "cuda":
+                torch.cuda.synchronize(sink_device)
+                freed = before + held - torch.cuda.memory_allocated(sink_device)
+                ring = 4 * (1 << 20)  # the pair's staging: kv_peer's source asks for 4 x 1 MiB
+                assert held >= ring and freed >= ring, (held, freed)
         finally:
             sink.close()
