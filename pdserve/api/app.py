@@ -64,7 +64,8 @@ def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
     app.state.metrics = metrics
     _install_error_handlers(app, metrics)
     # Keys and the body limit are checked before routing and before any body is parsed.
-    app.add_middleware(HttpGuard, policy=access or AccessPolicy(), limits=limits or RequestLimits())
+    app.add_middleware(HttpGuard, policy=access or AccessPolicy(), limits=limits or RequestLimits(),
+                       on_refusal=lambda status: metrics.rejected.labels(str(status)).inc())
 
     async def admitted(prepare: Callable[[], Awaitable[PreparedRequest]],
                        request: Request) -> Response:

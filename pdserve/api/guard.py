@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -71,10 +72,12 @@ class RequestLimits:
 class HttpGuard:
     """ASGI middleware applying an `AccessPolicy` and `RequestLimits` to every HTTP request."""
 
-    def __init__(self, app: ASGIApp, policy: AccessPolicy, limits: RequestLimits) -> None:
+    def __init__(self, app: ASGIApp, policy: AccessPolicy, limits: RequestLimits,
+                 on_refusal: Callable[[int], None] | None = None) -> None:
         self._app = app
         self._policy = policy
         self._limits = limits
+        self._on_refusal = on_refusal or (lambda status: None)  # counts refusals by status
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -85,12 +88,14 @@ class HttpGuard:
             # Who and what, never the key the client sent.
             logger.info("refused %s %s from %s: %s", scope["method"], scope["path"],
                         _client(scope), refusal.code or "missing_api_key")
+            self._on_refusal(refusal.status)
             await refusal.response()(scope, receive, send)
             return
         body = await self._read_body(scope, receive)
         if isinstance(body, OpenAIError):
             logger.info("refused %s %s from %s: %s", scope["method"], scope["path"],
                         _client(scope), body.code)
+            self._on_refusal(body.status)
             await body.response()(scope, receive, send)
             return
         if body is None:

@@ -1,6 +1,7 @@
 """Schemathesis against the in-process app's /openapi.json: generated requests, valid and
-invalid, to both generation endpoints. No answer is a 5xx, every 4xx carries an OpenAI-style
-error body, and the service is healthy afterwards. Bounded (hypothesis' max_examples) so it
+invalid, to both generation endpoints; then any Unicode text, lone surrogates included (which
+schemathesis does not generate), in every text field. No answer is a 5xx, every 4xx carries an
+OpenAI-style error body, and the service is healthy afterwards. Bounded (hypothesis' max_examples) so it
 runs in about a minute on 2 cores; the figures are printed (`-s`) at the end."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from pdserve.api.app import build_app  # noqa: E402
 from pdserve.api.guard import AccessPolicy  # noqa: E402
@@ -76,6 +78,43 @@ def test_generated_requests_never_get_a_5xx(case):
     response = case.call()
     SENT[f"{case.method} {case.path} {response.status_code}"] += 1
     case.validate_response(response, checks=[not_a_server_error, openai_error_body])
+
+
+# Any code point, lone UTF-16 surrogates included (json.dumps escapes them as \\udXXX).
+ANY_TEXT = st.lists(st.one_of(st.characters(), st.integers(0xD800, 0xDFFF).map(chr)),
+                    max_size=30).map("".join)
+
+
+def _body_with(text: str, where: str) -> tuple[str, dict]:
+    completion = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    if where in ("prompt", "model"):
+        return "/v1/completions", {**completion, where: text}
+    if where == "stop":
+        return "/v1/completions", {**completion, "stop": [text]}
+    if where == "field name":
+        return "/v1/completions", {**completion, text: 1}
+    message = {"role": "user", "content": text} if where == "content" else {"role": text}
+    return "/v1/chat/completions", {**chat, "messages": [message]}
+
+
+@given(text=ANY_TEXT, where=st.sampled_from(["prompt", "model", "stop", "field name", "content",
+                                             "role"]))
+@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
+          derandomize=True)
+def test_any_text_in_any_field_gets_200_or_a_4xx(text, where):
+    import json
+
+    from schemathesis.python import asgi
+
+    path, body = _body_with(text, where)
+    with asgi.get_client(APP) as client:
+        r = client.post(path, data=json.dumps(body), headers={
+            "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    SENT[f"POST {path} (any text) {r.status_code}"] += 1
+    assert r.status_code == 200 or 400 <= r.status_code < 500, (r.status_code, r.text)
+    if r.status_code != 200:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_the_service_is_healthy_after_the_fuzzing():

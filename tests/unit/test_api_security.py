@@ -71,9 +71,14 @@ def test_a_missing_or_wrong_key_gets_401(serve, headers):
 
 
 def test_a_wrong_key_is_refused_before_the_body_is_read(serve):
+    from pdserve.testing.server import metric_value
+
     client = serve(access=AccessPolicy(KEYS))
     r = client.post("/v1/completions", content=b"{not json", headers=bearer("nope"))
     assert_openai_error(r, 401, "invalid_api_key")
+    # Refusals are counted, so an operator sees a client guessing keys.
+    assert metric_value(client.get("/metrics").text, "pdserve_requests_rejected_total",
+                        status="401") == 1
 
 
 @pytest.mark.parametrize("key", KEYS)
