@@ -9,6 +9,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -53,13 +54,15 @@ def make_cluster(site: LoopbackSite) -> Iterator[Callable[..., Cluster]]:
     """Write the loopback variant of deploy/onprem/cluster.yaml; `ray down` whatever is left up."""
     clusters: list[Cluster] = []
 
-    def make(adapt_setup: Callable[[list[str]], list[str]], worker_cpus: int = 1) -> Cluster:
+    def make(adapt_setup: Callable[[list[str]], list[str]], **nodes: Any) -> Cluster:
+        """`nodes`: loopback_cluster_config's worker_cpus, head_cpus, head_resources,
+        worker_resources."""
         onprem = yaml.safe_load((REPO_ROOT / "deploy/onprem/cluster.yaml").read_text())
         gcs_port = free_port(site.head_ip)
         config = loopback_cluster_config(
             onprem, site, REPO_ROOT, cluster_name=f"pdserve-e2e-{uuid.uuid4().hex[:8]}",
             gcs_port=gcs_port, setup_commands=adapt_setup(onprem["setup_commands"]),
-            worker_cpus=worker_cpus)
+            **nodes)
         path = site.workdir / f"{config['cluster_name']}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         clusters.append(Cluster(path, site.workdir, gcs_address=f"{site.head_ip}:{gcs_port}"))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import fcntl
+import json
 import os
 import pwd
 import secrets
@@ -316,15 +317,18 @@ def cpu_vllm_setup(onprem_setup: list[str]) -> list[str]:
 
 def loopback_cluster_config(onprem: dict, site: LoopbackSite, repo_root: Path, *,
                             cluster_name: str, gcs_port: int, setup_commands: list[str],
-                            worker_cpus: int = 1) -> dict:
+                            worker_cpus: int = 1, head_cpus: int = 1,
+                            head_resources: dict[str, float] | None = None,
+                            worker_resources: dict[str, float] | None = None) -> dict:
     """deploy/onprem/cluster.yaml with this site's values and the loopback-only differences.
 
     Kept from the shipped file: the file mount of the checkout, its rsync filter and the shape
     of the setup (venv, uv, editable install, PATH); the caller adapts the engine install.
     Replaced: addresses, SSH user and key, the local side of the token mount (the site's token),
-    and the start commands: a free GCS port, explicit node IPs, a small footprint, one engine
-    slot on the worker, and no `ray stop` on the worker (head and worker share this machine's
-    processes). Kept in them: token auth (`RAY_AUTH_MODE=token`) on every node.
+    and the start commands: a free GCS port, explicit node IPs, a small footprint, the custom
+    resources of each node (default: one engine slot on the worker, none on the head), and no
+    `ray stop` on the worker (head and worker share this machine's processes). Kept in them:
+    token auth (`RAY_AUTH_MODE=token`) on every node.
     """
     config = copy.deepcopy(onprem)
     config["cluster_name"] = cluster_name
@@ -334,14 +338,16 @@ def loopback_cluster_config(onprem: dict, site: LoopbackSite, repo_root: Path, *
     config["file_mounts"] = {"~/pdserve": str(repo_root), "~/.ray/auth_token": str(site.ray_token)}
     config["setup_commands"] = setup_commands
     small = f"--object-store-memory={OBJECT_STORE_BYTES} --disable-usage-stats"
+    worker_resources = {"pdserve_colocated": 1} if worker_resources is None else worker_resources
+    head_extra = f" --resources='{json.dumps(head_resources)}'" if head_resources else ""
     head_start = (
         f"RAY_AUTH_MODE=token ray start --head --node-ip-address={site.head_ip} --port={gcs_port} "
         f"--ray-client-server-port={free_port()} --autoscaling-config=~/ray_bootstrap_config.yaml "
-        f"--include-dashboard=false --num-cpus=1 {small}"
+        f"--include-dashboard=false --num-cpus={head_cpus} {small}{head_extra}"
     )
     worker_start = (
         f"RAY_AUTH_MODE=token ray start --address=$RAY_HEAD_IP:{gcs_port} --node-ip-address={site.worker_ip} "
-        f"""--resources='{{"pdserve_colocated": 1}}' --num-cpus={worker_cpus} {small}"""
+        f"--resources='{json.dumps(worker_resources)}' --num-cpus={worker_cpus} {small}"
     )
     config["head_start_ray_commands"] = ["ray stop", head_start]
     config["worker_start_ray_commands"] = [worker_start]
@@ -400,6 +406,21 @@ def from_outside(cluster: Cluster, token: str | Path | None, *cmd: str,
 
 
 REFUSED = "Authentication token is missing or incorrect"
+
+
+def wait_for_resource(cluster: Cluster, token: Path, resource: str, timeout_s: float) -> None:
+    """Until `ray status` (with the token) lists `resource`: its node has joined, which it does
+    only after its setup commands. On loopback every node shares one home and venv, so a
+    service started while the worker's setup still reinstalls vLLM there fails to import it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done = from_outside(cluster, token, RAY, "status", f"--address={cluster.gcs_address}")
+        if done.returncode == 0 and resource in done.stdout:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no node with {resource} after {timeout_s} s:\n"
+                                 f"{done.stdout}{done.stderr}")
+        time.sleep(5)
 
 
 def serve_command(site: LoopbackSite, port: int, *flags: str) -> str:
