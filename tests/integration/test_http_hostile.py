@@ -27,6 +27,7 @@ pytestmark = pytest.mark.integration
 DEADLINE_S = 2.0
 # Generous: a busy 2-core CI host runs the server, Ray and this test together.
 SLACK_S = 6.0
+MAX_CONNECTIONS = 4
 
 
 def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
@@ -75,7 +76,7 @@ def server(tmp_path_factory):
                "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
                "--set", "pools.colocated.num_cpus=0.5",
                "--set", "engine.mock.max_model_len=65536", "--set", "engine.mock.decode_step_s=0.001",
-               "--set", "api.max_queued_requests=1",
+               "--set", "api.max_queued_requests=1", "--set", f"api.max_connections={MAX_CONNECTIONS}",
                "--set", f"api.header_timeout_s={DEADLINE_S}",
                "--set", f"api.body_timeout_s={DEADLINE_S}",
                "--set", f"api.write_timeout_s={DEADLINE_S}"]
@@ -193,6 +194,26 @@ def test_a_stalled_stream_reader_is_aborted_and_its_slot_freed(server):
                 pass
             raise ConnectionResetError  # EOF: closed (the abort's RST may arrive as EOF)
     assert "the client read nothing" in server.log_path.read_text()
+
+
+def test_connections_past_the_cap_get_503(server):
+    held = []
+    try:
+        # uvicorn answers 503 once the open connections, the new one included, reach the cap.
+        for _ in range(MAX_CONNECTIONS - 1):
+            sock = connect(server)
+            # A served request, then idle in keep-alive: open, and under no head deadline.
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: pdserve\r\n\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            held.append(sock)
+        assert complete(server).status_code == 503
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while (status := complete(server).status_code) == 503 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert status == 200
 
 
 def test_config_show_redacts_every_secret(tmp_path):
