@@ -128,7 +128,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--ray-address", help="join this Ray cluster ('auto' for the local one)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--api-key", action="append", metavar="KEY",
-                   help="a key /v1 clients must send as 'Authorization: Bearer KEY' (repeatable)")
+                   help="a key /v1 clients must send as 'Authorization: Bearer KEY' (repeatable; "
+                   "on a shared host prefer api.api_key_file: command lines are visible in ps)")
     p.add_argument("--ssl-certfile", help="PEM certificate: serve HTTPS (with --ssl-keyfile)")
     p.add_argument("--ssl-keyfile", help="PEM private key of --ssl-certfile")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

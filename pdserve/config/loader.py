@@ -57,8 +57,9 @@ def load_api_keys(api: ApiConfig) -> tuple[str, ...]:
             key = line.strip()
             if not key or key.startswith("#"):
                 continue
-            if any(c.isspace() for c in key):
-                raise ConfigError(f"api.api_key_file {path} line {number}: a key holds whitespace")
+            if not (key.isascii() and key.isprintable()) or any(c.isspace() for c in key):
+                raise ConfigError(f"api.api_key_file {path} line {number}: a key must be printable "
+                                  "ASCII without whitespace")
             keys.append(key)
         if len(keys) == len(api.api_keys):
             raise ConfigError(f"api.api_key_file {path} holds no key")

@@ -329,6 +329,11 @@ class AutoscaleConfig(_Section):
         return getattr(self, role.value)
 
 
+def _is_header_token(key: str) -> bool:
+    """Whether an API key can travel in an Authorization header as it is."""
+    return bool(key) and key.isascii() and key.isprintable() and " " not in key
+
+
 class ApiConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the HTTP frontend listens on.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 picks a free one).")
@@ -346,7 +351,8 @@ class ApiConfig(_Section):
     )
     api_keys: tuple[str, ...] = Field(
         (), description="Keys clients must send as 'Authorization: Bearer KEY' on every /v1 route "
-        "(any one of them); none (and no api_key_file): the API is open. /health is always open.",
+        "(any one of them); none (and no api_key_file): the API is open. /health is always open. "
+        "On a shared host prefer api_key_file: other users can read a command line (ps).",
     )
     api_key_file: Path | None = Field(
         None, description="A file of more API keys, one per line (blank lines and lines starting "
@@ -405,8 +411,9 @@ class ApiConfig(_Section):
     @classmethod
     def _check_keys(cls, value: Any) -> Any:
         for key in (value,) if isinstance(value, str) else value or ():
-            if not key or key != key.strip() or any(c.isspace() for c in key):
-                raise ValueError("an API key must be non-empty and hold no whitespace")
+            if not _is_header_token(key):
+                raise ValueError("an API key must be non-empty printable ASCII without whitespace "
+                                 "(it travels in an HTTP header)")
         return value
 
 

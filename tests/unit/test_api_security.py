@@ -117,8 +117,9 @@ def test_api_keys_come_from_the_config_and_the_key_file(tmp_path):
     key_file.write_text("# nothing\n")
     with pytest.raises(ConfigError, match="holds no key"):
         load_api_keys(config.api)
-    with pytest.raises(ConfigError, match="api_keys"):
-        load_config(None, {"api.api_keys": ["two words"]})
+    for bad in ("two words", "", "clé", "tab\there"):
+        with pytest.raises(ConfigError, match="api_keys"):
+            load_config(None, {"api.api_keys": [bad]})
 
 
 def test_the_cli_takes_repeated_api_keys():
