@@ -4,6 +4,7 @@ files agree with the metrics pdserve exports."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -251,3 +252,43 @@ def test_dashboard_covers_the_issue_panels_and_is_importable():
             # Bound to the dashboard's data source variable: works imported or provisioned.
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
             assert panel["targets"], panel["title"]
+
+
+SECURITY_MD = DEPLOY.parent / "SECURITY.md"
+
+
+def config_field_paths(model: type = None, prefix: str = "") -> set[str]:
+    """Every dotted field path of the config tree (api.api_keys, kv.tls_certfile, ...)."""
+    from pydantic import BaseModel
+
+    from pdserve.config.schema import PdserveConfig
+
+    model = model or PdserveConfig
+    paths = set()
+    for name, field in model.model_fields.items():
+        paths.add(prefix + name)
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            paths |= config_field_paths(annotation, f"{prefix}{name}.")
+    return paths
+
+
+@pytest.mark.parametrize("doc", [SECURITY_MD, DEPLOY / "README.md"],
+                         ids=["SECURITY.md", "deploy/README.md"])
+def test_the_security_docs_name_only_options_that_exist(doc):
+    """Every config field and `pdserve serve` flag the docs name exists: nothing planned reads
+    as done."""
+    from pdserve.cli import build_parser
+
+    text = doc.read_text()
+    named = {name.rstrip(".") for name in re.findall(r"`((?:api|kv|engine|pools)\.[a-z_.]+)", text)}
+    named -= {"pools"}  # `pools.<pool>.resources`
+    assert named - config_field_paths() == set(), "options the docs name that the config lacks"
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {opt for act in commands.choices["serve"]._actions for opt in act.option_strings}
+    mentioned = set(re.findall(r"`(--[a-z][a-z-]+)", text))
+    serve_flags = {f for f in mentioned if f.startswith(("--api", "--ssl", "--host", "--port"))}
+    assert serve_flags <= flags, serve_flags - flags
+    if doc == SECURITY_MD:
+        assert {"api.api_keys", "api.api_key_file", "api.metrics_api_key", "kv.cluster_token"} <= named
+        assert "--api-key" in serve_flags
