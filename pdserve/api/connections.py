@@ -11,6 +11,7 @@ h11: the class `http="auto"` picks) with two timers and a size bound:
   a kept-alive one; disarmed once the head is parsed (uvicorn then starts a request cycle).
   On expiry the client gets a 408 and the connection closes. A head still unparsed after
   `max_head_bytes` gets a 431 and the connection closes.
+- bytes that are not HTTP get uvicorn's 400, with an OpenAI-style body.
 - write: armed when the transport pauses writing (its buffer passed the high-water mark because
   the client stopped reading); disarmed when it resumes. On expiry the connection is aborted,
   which the app sees as a disconnect: a stream is cancelled, its engine request aborted and its
@@ -104,6 +105,13 @@ def deadline_protocol(deadlines: ConnectionDeadlines) -> type[asyncio.Protocol]:
                 self._write_timer.cancel()
                 self._write_timer = None
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's answer to bytes it cannot parse as HTTP: an OpenAI-style body like every
+            # other refusal, instead of its text/plain one.
+            self._cancel_head_timer()
+            self.transport.write(_raw_error("400 Bad Request", msg, "invalid_http_request"))
+            self.transport.close()
 
         def _arm_head_timer(self) -> None:
             self._cycle_before_head = self.cycle

@@ -159,6 +159,15 @@ def test_a_request_head_over_the_limit_gets_431(server):
     assert complete(server).status_code == 200
 
 
+def test_bytes_that_are_not_http_get_an_openai_style_400(server):
+    with connect(server) as sock:
+        sock.sendall(b"THIS IS NOT HTTP\r\n\r\n")
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "invalid_http_request" and error["message"]
+
+
 def test_a_body_that_never_arrives_gets_408_within_the_deadline(server):
     with connect(server) as sock:
         started = time.monotonic()
