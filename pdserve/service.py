@@ -45,7 +45,7 @@ async def serve(config: PdserveConfig) -> None:
     try:
         logger.info("starting %s engine(s) for %s", _engine_summary(config), model.served_name)
         metrics = ServingMetrics()
-        backend = await RayBackend.launch(config, model, metrics)
+        backend = await RayBackend.launch(config.without_api_secrets(), model, metrics)
         tokenizer = await asyncio.to_thread(load_tokenizer, model.path, config)
         app = build_app(backend, tokenizer, model.served_name, config.api.max_queued_requests,
                         config.api.default_max_tokens, access,

@@ -468,6 +468,13 @@ class PdserveConfig(_Section):
                 node[leaf] = REDACTED
         return tree
 
+    def without_api_secrets(self) -> PdserveConfig:
+        """This config as engines get it: no API key (engines never check one, and a copy in
+        every actor's creation arguments is a copy more to leak). The KV token stays."""
+        api = self.api.model_copy(update={"api_keys": (), "api_key_file": None,
+                                          "metrics_api_key": None})
+        return self.model_copy(update={"api": api})
+
     def active_roles(self) -> tuple[PoolRole, ...]:
         if self.mode is ServingMode.COLOCATED:
             return (PoolRole.COLOCATED,)

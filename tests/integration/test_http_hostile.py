@@ -28,6 +28,8 @@ DEADLINE_S = 2.0
 # Generous: a busy 2-core CI host runs the server, Ray and this test together.
 SLACK_S = 6.0
 MAX_CONNECTIONS = 4
+KEY = "sk-integration"
+AUTH = f"Authorization: Bearer {KEY}\r\n".encode()
 
 
 def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
@@ -73,7 +75,7 @@ def server(tmp_path_factory):
     command = [sys.executable, "-m", "pdserve", "serve", "--port", str(port), "--engine", "mock",
                "--model", str(save_tiny_model(workdir / "tiny-model")),
                "--served-model-name", "tiny", "--mode", "colocated", "--replicas", "1",
-               "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+               "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--api-key", KEY,
                "--set", "pools.colocated.num_cpus=0.5",
                "--set", "engine.mock.max_model_len=65536", "--set", "engine.mock.decode_step_s=0.001",
                "--set", "api.max_queued_requests=1", "--set", f"api.max_connections={MAX_CONNECTIONS}",
@@ -124,13 +126,20 @@ def read_until_closed(sock: socket.socket) -> bytes:
 
 def complete(server, **extra):
     return httpx.post(f"{server.base_url}/v1/completions", timeout=30, verify=server.tls,
-                      json={"model": "tiny", "prompt": "hello world", "max_tokens": 4, **extra})
+                      headers={"Authorization": f"Bearer {KEY}"}, json={"model": "tiny", "prompt": "hello world", "max_tokens": 4, **extra})
 
 
-def test_https_serves_the_api_and_says_so(server):
+def test_https_serves_the_api_behind_its_key_and_says_so(server):
     r = complete(server)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert f"pdserve ready: https://127.0.0.1:{server.port}/v1" in server.log_path.read_text()
+    no_key = httpx.get(f"{server.base_url}/v1/models", verify=server.tls, timeout=10)
+    assert no_key.status_code == 401 and no_key.headers["www-authenticate"] == "Bearer"
+    wrong = httpx.get(f"{server.base_url}/v1/models", verify=server.tls, timeout=10,
+                      headers={"Authorization": "Bearer sk-guessed"})
+    assert wrong.status_code == 401
+    log = server.log_path.read_text()
+    assert KEY not in log and "sk-guessed" not in log  # keys never reach the log
     with pytest.raises(httpx.HTTPError):  # plain HTTP to the HTTPS port gets no answer
         httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5)
 
@@ -171,7 +180,7 @@ def test_bytes_that_are_not_http_get_an_openai_style_400(server):
 def test_a_body_that_never_arrives_gets_408_within_the_deadline(server):
     with connect(server) as sock:
         started = time.monotonic()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\n" + AUTH +
                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":")
         answer = read_until_closed(sock)
         waited = time.monotonic() - started
@@ -185,7 +194,7 @@ def test_a_stalled_stream_reader_is_aborted_and_its_slot_freed(server):
                        "stream": True}).encode()
     # A tiny receive window and no reads: the server's send buffer fills within a second.
     with connect(server, rcvbuf=4096) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\n" + AUTH +
                      b"Content-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         time.sleep(0.5)

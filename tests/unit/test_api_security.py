@@ -122,6 +122,14 @@ def test_api_keys_come_from_the_config_and_the_key_file(tmp_path):
             load_config(None, {"api.api_keys": [bad]})
 
 
+def test_engines_get_the_config_without_api_keys():
+    config = load_config(None, {"api.api_keys": ["sk-a"], "api.metrics_api_key": "m",
+                                "kv.cluster_token": "kv-token", "api.port": 9000})
+    engine_config = config.without_api_secrets()
+    assert engine_config.api.api_keys == () and engine_config.api.metrics_api_key is None
+    assert engine_config.kv.cluster_token == "kv-token" and engine_config.api.port == 9000
+
+
 def test_the_cli_takes_repeated_api_keys():
     from pdserve.cli import build_parser, serve_overrides
 
