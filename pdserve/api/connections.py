@@ -37,8 +37,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ConnectionDeadlines:
+    """The bounds each connection's protocol enforces (from `api.*` in the config)."""
+
     head_timeout_s: float
     write_timeout_s: float
+    # 64 KiB: common servers and proxies refuse heads past 8-16 KiB (h11's own bound is 16 KiB);
+    # room for long cookies or tracing headers a gateway adds.
     max_head_bytes: int = 64 * 1024
 
 
