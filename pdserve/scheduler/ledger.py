@@ -137,9 +137,11 @@ LedgerEvent = Admitted | LegStarted | FirstOutput | LegFinished | RequestFinishe
 
 @dataclass(slots=True)
 class _LegBooks:
+    pool: str  # where the leg runs
     started: float
     tokens: int  # uncached prompt tokens queued (legs that prefill)
     work_ahead: int  # prompt tokens queued ahead at dispatch, plus its own
+    open: bool = True  # until `leg_finished` (or the request's end) closes it
     prefilling: bool = False
     decoding: bool = False
     outputs: int = 0
@@ -190,10 +192,6 @@ class RequestLedger:
         self._requests: dict[str, _RequestBooks] = {}
         self._observer = observer
 
-    @property
-    def pools(self) -> tuple[str, ...]:
-        return tuple(self._pools)
-
     def model(self, pool: str) -> PerfModel:
         return self._pools[pool].model()
 
@@ -219,10 +217,7 @@ class RequestLedger:
             placement = self.place(len(prompt_token_ids), max_tokens, hashes)
         if isinstance(placement, Rejection):
             return placement
-        if not self._disaggregated:
-            prefill_pool, decode_pool = None, COLOCATED
-        else:
-            prefill_pool, decode_pool = (PREFILL if placement.prefill else None), DECODE
+        prefill_pool, decode_pool = self._pools_of(placement)
         admission = Admission(request_id, placement, len(prompt_token_ids), max_tokens, hashes,
                               now, prefill_pool, decode_pool)
         for pool, rid in self._placed(admission):
@@ -257,13 +252,13 @@ class RequestLedger:
         books = self._requests[admission.request_id]
         record.in_flight += 1
         if leg is Leg.DECODE:
-            books.legs[leg] = _LegBooks(now, 0, 0, decoding=True)
+            books.legs[leg] = _LegBooks(pool, now, 0, 0, decoding=True)
             record.num_decoding += 1
         else:
             cached = (self._prefix.cached_tokens(rid, admission.hashes)
                       if self._prefix is not None and admission.hashes else 0)
             tokens = max(admission.prompt_tokens - cached, 1)
-            books.legs[leg] = _LegBooks(now, tokens, record.queued_prefill_tokens + tokens,
+            books.legs[leg] = _LegBooks(pool, now, tokens, record.queued_prefill_tokens + tokens,
                                         prefilling=True)
             record.queued_prefill_tokens += tokens
             record.num_prefilling += 1
@@ -320,9 +315,8 @@ class RequestLedger:
         """The request is over (`now`: its last output, as the client saw it): release what it
         held and time it."""
         books = self._requests.pop(admission.request_id)
-        for leg, leg_books in books.legs.items():
-            if leg_books.prefilling or leg_books.decoding:  # a leg its backend did not close
-                self._close_leg(admission, books, leg, now, None)
+        for leg in books.legs:  # legs their backend did not close
+            self._close_leg(admission, books, leg, now, None)
         self._unpin(admission, books)
         for pool, rid in self._placed(admission):
             record = self.engines.get(pool, rid)
@@ -340,6 +334,9 @@ class RequestLedger:
     def _close_leg(self, admission: Admission, books: _RequestBooks, leg: Leg, now: float,
                    finish_reason: str | None) -> None:
         leg_books = books.legs[leg]
+        if not leg_books.open:
+            return
+        leg_books.open = False
         pool, rid = admission.engine_of(leg)
         record = self.engines.get(pool, rid)
         if leg_books.prefilling:  # ended before its first output
@@ -382,6 +379,12 @@ class RequestLedger:
             if record is not None:
                 record.pins = max(0, record.pins - 1)
 
+    def _pools_of(self, placement: Placement) -> tuple[str | None, str]:
+        """(the pool that prefills remotely, None for a local prefill; the pool that decodes)."""
+        if not self._disaggregated:
+            return None, COLOCATED
+        return (PREFILL if placement.prefill is not None else None), DECODE
+
     def _placed(self, admission: Admission) -> list[tuple[str, str]]:
         placed = [(admission.decode_pool, admission.placement.decode)]
         if admission.prefill_pool is not None:
@@ -415,11 +418,10 @@ class RequestLedger:
                      kv_usage: float) -> None:
         """Book a routed cohort's totals on its engines at once (the fluid simulator): prompt
         tokens on the engine that prefills it, requests and KV on the one that decodes it."""
-        pool_p = PREFILL if placement.prefill is not None else (
-            DECODE if self._disaggregated else COLOCATED)
-        prefill = self.engines[pool_p, placement.prefill or placement.decode]
+        prefill_pool, decode_pool = self._pools_of(placement)
+        prefill = self.engines[prefill_pool or decode_pool, placement.prefill or placement.decode]
         prefill.queued_prefill_tokens += prefill_tokens
-        decode = self.engines[DECODE if self._disaggregated else COLOCATED, placement.decode]
+        decode = self.engines[decode_pool, placement.decode]
         decode.num_decoding += decode_requests
         decode.kv_usage += kv_usage
 
@@ -444,8 +446,8 @@ class RequestLedger:
         late = []
         if slo is not None:
             late = [now - leg.started for books in self._requests.values()
-                    for leg_kind, leg in books.legs.items()
-                    if leg.prefilling and self._leg_pool(leg_kind) == pool
+                    for leg in books.legs.values()
+                    if leg.prefilling and leg.pool == pool
                     and now - leg.started > slo.ttft_s]
         summary = self.tracker.summary(pool, now, pct, slo.ttft_s if slo else None,
                                        slo.tpot_s if slo else None, late)
@@ -474,11 +476,6 @@ class RequestLedger:
             pool=pool, replicas=n, starting=starting, samples=summary.count,
             ttft_s=summary.ttft_p_s, tpot_s=summary.tpot_p_s,
             prefill_utilization=prefill_util, decode_utilization=decode_util, kv_usage=kv)
-
-    def _leg_pool(self, leg: Leg) -> str:
-        if leg is Leg.PREFILL:
-            return PREFILL
-        return DECODE if self._disaggregated else COLOCATED
 
 
 def ledger_from_config(config: PdserveConfig, pools: list[str], block_size: int,

@@ -110,10 +110,6 @@ class EngineRegistry:
     def __init__(self, pools: list[str]) -> None:
         self._pools: dict[str, dict[str, EngineRecord]] = {name: {} for name in pools}
 
-    @property
-    def pools(self) -> tuple[str, ...]:
-        return tuple(self._pools)
-
     def add(self, pool: str, replica_id: str, block_size: int, num_kv_blocks: int,
             ready: bool = True) -> EngineRecord:
         """A new engine (starting when not `ready`), or an existing one registered again."""
@@ -170,6 +166,3 @@ class EngineRegistry:
 
     def loads(self, pool: str) -> list[EngineLoad]:
         return [e.load() for e in self._pools[pool].values()]
-
-    def replica_ids(self) -> list[tuple[str, str]]:
-        return [(pool, rid) for pool, engines in self._pools.items() for rid in engines]

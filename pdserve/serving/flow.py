@@ -97,10 +97,12 @@ class RequestFlow:
             reason = "client_disconnect"
             raise
         finally:
-            self.finish(request, admission, finished_at or self._clock(), output_tokens, reason)
+            self.finish(request, admission, finished_at, output_tokens, reason)
 
-    def finish(self, request: GenerateRequest, admission: Admission, now: float,
+    def finish(self, request: GenerateRequest, admission: Admission, now: float | None,
                output_tokens: int, reason: str) -> None:
+        """Close the request's books (at `now`; None: this flow's clock now) and observe it."""
+        now = self._clock() if now is None else now
         timing = self._ledger.request_finished(admission, now, output_tokens, reason)
         self._metrics.observe_request(self._serving_pool, timing.ttft_s, timing.tpot_s,
                                       timing.e2e_s, len(request.prompt_token_ids), output_tokens,
@@ -108,13 +110,10 @@ class RequestFlow:
 
     async def _legs(self, request: GenerateRequest,
                     admission: Admission) -> AsyncIterator[GenerateDelta]:
-        if admission.first_leg is Leg.FULL:
-            async with aclosing(self._leg(Leg.FULL, request, admission)) as deltas:
-                async for delta in deltas:
-                    yield delta
-            return
-        first = await self._prefill(request, admission)
-        if first is None:  # the prefill failed and the policy says recompute: decode does it all
+        first = None
+        if admission.first_leg is Leg.PREFILL:
+            first = await self._prefill(request, admission)
+        if first is None:  # a local placement, or a failed prefill recomputed where it decodes
             async with aclosing(self._leg(Leg.FULL, request, admission)) as deltas:
                 async for delta in deltas:
                     yield delta
@@ -203,8 +202,7 @@ class AdmittedStream:
     def _unstarted(self) -> None:
         if not self._closed and self._stream is None:
             self._closed = True
-            self._flow.finish(self._request, self._admission, time.monotonic(), 0,
-                              "client_disconnect")
+            self._flow.finish(self._request, self._admission, None, 0, "client_disconnect")
 
     def __del__(self) -> None:
         self._unstarted()

@@ -269,18 +269,15 @@ class Simulation:
         leg = Leg(req.leg)
         ends = req.output == 1
         ledger.leg_output(admission, leg, visible, 1, finished=ends)
-        if leg is Leg.FULL:
-            if ends:
-                ledger.leg_finished(admission, leg, visible, "length")
-                self._done(req)
-            return
-        # Prefill leg done: the decode leg starts (KV pull, then decode).
-        if ends:  # nothing to pull: the prefill engine frees the prompt's blocks
-            engine.release_prefill(req)
-            ledger.leg_finished(admission, leg, visible, "length")
+        if leg is Leg.FULL and not ends:
+            return  # it decodes here
+        ledger.leg_finished(admission, leg, visible, "length")
+        if ends:
+            if leg is Leg.PREFILL:  # nothing to pull: the prefill engine frees the prompt's blocks
+                engine.release_prefill(req)
             self._done(req)
             return
-        ledger.leg_finished(admission, leg, visible, "length")
+        # Prefill leg done: the decode leg starts (KV pull, then decode).
         req.leg = "decode"
         ledger.leg_started(admission, Leg.DECODE, now)
         req.decode_engine.submit_decode(req)

@@ -325,3 +325,17 @@ def test_a_request_id_is_admitted_once_at_a_time():
         ledger.admit("r", range(10), 4, now=0.1)
     ledger.request_finished(first, 0.2, 0, "abort")
     assert ledger.admit("r", range(10), 4, now=0.3).request_id == "r"  # free again once finished
+
+
+def test_the_request_end_closes_a_leg_its_backend_left_open_after_its_first_output():
+    ledger = RequestLedger(["prefill", "decode"], PerfModel(prefill_tokens_per_s=1000, decode_step_s=0.01),
+                           prefix_aware=False)
+    ledger.engines.add("prefill", "p0", 16, 1000)
+    ledger.engines.add("decode", "d0", 16, 1000)
+    adm = Script(ledger, decode="d0").admit("p0", 100, 8, now=0.0)
+    ledger.leg_started(adm, Leg.PREFILL, 0.0)
+    ledger.leg_output(adm, Leg.PREFILL, 0.1, 1, finished=True)  # first token; leg never closed
+    prefill = ledger.engine("prefill", "p0")
+    assert (prefill.in_flight, prefill.pins) == (1, 1)
+    ledger.request_finished(adm, 0.2, 1, "abort")
+    assert prefill.idle and ledger.engine("decode", "d0").idle
