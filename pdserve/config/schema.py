@@ -334,6 +334,31 @@ def _is_header_token(key: str) -> bool:
     return bool(key) and key.isascii() and key.isprintable() and " " not in key
 
 
+class ServingConfig(_Section):
+    """How the frontend keeps requests alive and pools whole when engines fail."""
+
+    migration_limit: int = Field(
+        3, ge=0, description="Times a request whose decode (or colocated) engine dies may continue "
+        "on another engine, from its prompt and the tokens already streamed; past it the request "
+        "ends with an error. 0: never migrate.",
+    )
+    liveness_timeout_s: float = Field(
+        60.0, gt=0, description="An engine with requests in flight that produces no output for "
+        "this long (and does not answer stats) counts as hung: it is taken out of routing, its "
+        "requests migrate, and it is replaced.",
+    )
+    restart_limit: int = Field(
+        5, ge=0, description="Engine replacements per pool within restart_window_s before the "
+        "pool counts as crash-looping: no more restarts, a log line and /health say why.",
+    )
+    restart_window_s: float = Field(600.0, gt=0, description="Window of restart_limit.")
+    restart_backoff_s: float = Field(
+        1.0, ge=0, description="Delay before a pool's first replacement; it doubles with each "
+        "replacement in the window (up to restart_backoff_max_s).",
+    )
+    restart_backoff_max_s: float = Field(60.0, ge=0, description="Longest restart delay.")
+
+
 class ApiConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the HTTP frontend listens on.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 picks a free one).")
@@ -393,6 +418,16 @@ class ApiConfig(_Section):
         "uvicorn answers 503 (its limit_concurrency). None: no cap (the process's file limit).",
     )
 
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="Longest a request may run, admission to last token; past it "
+        "the engines' work is aborted and the client gets a timeout error (a stream: an error "
+        "event). None: no deadline.",
+    )
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM: new requests get 503 while running ones may finish "
+        "for up to this long; then the rest are aborted and everything stops.",
+    )
+
     ssl_certfile: Path | None = Field(
         None, description="PEM certificate (chain) to serve HTTPS with; needs ssl_keyfile. None: "
         "plain HTTP (put TLS in front, or set both).",
@@ -450,6 +485,7 @@ class PdserveConfig(_Section):
     slo: SloConfig = Field(default_factory=SloConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
