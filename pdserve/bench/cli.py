@@ -1,4 +1,4 @@
-"""`pdserve bench {serve,sweep,compare,tune}`: the benchmark harness on the command line.
+"""`pdserve bench {serve,sweep,compare,tune,chaos}`: the benchmark harness on the command line.
 
 `add_parser(subparsers)` registers `bench` on the pdserve CLI; `main(argv)` runs the same commands
 standalone (`python -m pdserve.bench.cli serve ...`). Flags that `vllm bench serve` also has keep its names
@@ -11,7 +11,7 @@ default to `--ignore-eos` (vllm does this for random) and `--no-ignore-eos` turn
 `tune` is the one command that starts servers itself: for each candidate deployment and engine knobs
 (tune.py) it starts `pdserve serve`, runs a goodput search against it and stops it (service.py); it writes
 `tune.json` (what `--resume` reads), `tune.csv` and `tune.png` into --result-dir, and the services' logs
-under `logs/`.
+under `logs/`. `chaos` (chaos.py) soaks a running service while killing its engines.
 
 Every flag is validated before any request is sent: a bad value is an argparse error naming the flag.
 """
@@ -34,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench import cli_args
+from pdserve.bench import chaos, cli_args
 from pdserve.bench.arrivals import ArrivalSpec
 from pdserve.bench.client import EndpointConfig, fetch_first_model
 from pdserve.slo import SloTargets
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_commands(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(
-        dest="bench_command", metavar="{serve,sweep,compare,tune}", required=True
+        dest="bench_command", metavar="{serve,sweep,compare,tune,chaos}", required=True
     )
     serve = commands.add_parser("serve", help="one benchmark run, like vllm bench serve")
     cli_args.add_run_args(serve)
@@ -127,6 +127,7 @@ def _add_commands(parser: argparse.ArgumentParser) -> None:
     for sub, command in ((serve, "serve"), (sweep, "sweep"), (compare, "compare"), (tune, "tune")):
         # `func` and `handler`: the two names parent CLIs dispatch on (pdserve's own uses `handler`).
         sub.set_defaults(func=run_command, handler=run_command, bench_command=command, bench_parser=sub)
+    chaos.add_parser(commands)  # its own flags and handler: it kills a running service's engines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -157,3 +157,59 @@ def plot_goodput_ranking(
     axes.grid(axis="x", alpha=0.3)
     axes.set_title(title)
     return _save(figure, path)
+
+
+# Background of the chaos plot's health strip, by /health status; other statuses are grey.
+_HEALTH_COLOURS = {"ready": "tab:green", "degraded": "tab:orange", "down": "tab:red"}
+
+
+def plot_chaos(report: Mapping, path: str | Path, title: str = "Chaos soak") -> Path:
+    """Two panels: requests completed / failed / hung per time bucket, and engines serving per pool
+    over a band of the /health status (both as polled, at each change); kills as vertical lines.
+
+    `report` is `chaos.json` as `chaos_report.build_report` writes it, so a saved run re-plots.
+    """
+    buckets = report["timeline"]
+    width = buckets[1]["t"] - buckets[0]["t"] if len(buckets) > 1 else 5.0
+    starts = np.asarray([b["t"] for b in buckets], dtype=float)
+    figure = Figure(figsize=(11, 6.5))
+    requests, engines = figure.subplots(2, 1, sharex=True)
+    bottom = np.zeros(len(buckets))
+    for key, colour in (("completed", "tab:blue"), ("failed", "tab:red"), ("hung", "black")):
+        counts = np.asarray([b[key] for b in buckets], dtype=float)
+        requests.bar(starts, counts, width=width * 0.9, bottom=bottom, align="edge", color=colour, label=key)
+        bottom += counts
+    requests.set_ylabel(f"requests ended per {width:g} s")
+    _draw_serving(engines, report["health_changes"], starts[-1] + width)
+    for axes in (requests, engines):
+        for kill in report["kills"]:
+            axes.axvline(kill["t"], color="tab:purple", linestyle="--", linewidth=1)
+        axes.axvline(report["duration_s"], color="gray", linestyle=":", linewidth=1)
+        axes.grid(alpha=0.3)
+    for t, text in [(k["t"], f"kill {k['replica']}") for k in report["kills"]] + [
+            (report["duration_s"], "load ends")]:
+        requests.annotate(text, (t, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top",
+                          ha="right", fontsize=8, color="tab:purple" if text != "load ends" else "gray",
+                          bbox={"facecolor": "white", "alpha": 0.7, "linewidth": 0, "pad": 1})
+    requests.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.suptitle(title)
+    return _save(figure, path)
+
+
+def _draw_serving(axes, changes: Sequence[Mapping], end_s: float) -> None:
+    """Engines serving per pool as steps, and the /health status as a band along the bottom."""
+    times = [c["t"] for c in changes]
+    for pool in sorted({pool for c in changes for pool in c["serving"]}):
+        counts = [c["serving"].get(pool, np.nan) for c in changes]
+        axes.step([*times, end_s], [*counts, counts[-1]], where="post", label=pool, linewidth=2)
+    seen: set[str] = set()
+    for change, until in zip(changes, [*times[1:], end_s], strict=False):  # no polls: nothing
+        status = change["status"]
+        axes.axvspan(change["t"], until, ymin=0.0, ymax=0.04, alpha=0.8, linewidth=0,
+                     color=_HEALTH_COLOURS.get(status, "tab:gray"), label=None if status in seen else status)
+        seen.add(status)
+    axes.set_ylabel("engines serving (band: /health)")
+    axes.set_xlabel("time since the soak began (s)")
+    axes.set_ylim(bottom=-0.3)
+    if changes:
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="pool / health")
