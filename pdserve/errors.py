@@ -30,6 +30,16 @@ class EngineRequestError(PdserveError):
     """An engine failed while serving one request (actor died, engine raised)."""
 
 
+class EngineDiedError(EngineRequestError):
+    """The engine died or hung under a request: not the request's fault, so another engine may
+    run it (recompute a prefill, migrate a decode). A failure the request itself caused (the
+    engine raised for it alone) stays a plain `EngineRequestError` and is never retried."""
+
+
+class RequestDeadlineError(PdserveError):
+    """The request ran past its deadline (api.request_timeout_s); its engine work was aborted."""
+
+
 class OverloadedError(PdserveError):
     """The scheduler refuses a request: its SLO cannot be met now (HTTP 429 + Retry-After)."""
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP frontend (FastAPI).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET
-/v1/models, GET /health, GET /metrics. Every error leaves as an OpenAI-style body with the right
+/v1/models, GET /health (ready / degraded / down, per pool), GET /ready (for load balancers),
+GET /metrics. Every error leaves as an OpenAI-style body with the right
 status; nothing a client sends can take the server down. A client that goes away aborts its
 engine request: streams are cancelled by the server when the connection drops, and
 non-streaming requests are watched for disconnects while they run.
@@ -94,9 +95,19 @@ def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
 
     @app.get("/health")
     async def health() -> Response:
-        if backend.healthy():
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy"}, status_code=503)
+        """Liveness and state: 200 'ready' or 'degraded' (with the reason), 503 'down'."""
+        body = backend.health()
+        return JSONResponse(body, status_code=503 if body["status"] == "down" else 200)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness for a load balancer: 200 while requests are served and admitted, 503
+        when down or shutting down."""
+        body = backend.health()
+        if getattr(app.state, "shutting_down", False):
+            body = {**body, "status": "shutting_down"}
+        ok = body["status"] in ("ready", "degraded")
+        return JSONResponse({"status": body["status"]}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

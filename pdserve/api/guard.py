@@ -4,7 +4,7 @@ A pure ASGI middleware in front of the FastAPI app. It runs per request, before 
 body parsing, so a client without a key cannot make the server parse anything:
 
 - `/v1/...` needs `Authorization: Bearer <key>` when API keys are configured;
-- `/metrics` needs its own key when one is configured; `/health` is always open;
+- `/metrics` needs its own key when one is configured; `/health` and `/ready` are always open;
 - a body over `RequestLimits.max_body_bytes` gets 413: at once when its Content-Length says
   so, else as soon as the bytes read pass the limit (chunked uploads); a body not received
   within `RequestLimits.body_timeout_s` of its head gets 408. The guard reads the body (the app

@@ -23,7 +23,10 @@ from pdserve.api.errors import (
 )
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.engine.types import GenerateDelta, GenerateRequest, SamplingOptions
-from pdserve.errors import EngineRequestError, EngineUnavailableError, OverloadedError
+from pdserve.errors import (
+    EngineDiedError, EngineRequestError, EngineUnavailableError, OverloadedError,
+    RequestDeadlineError,
+)
 from pdserve.serving.backend import EngineBackend
 
 logger = logging.getLogger(__name__)
@@ -121,6 +124,15 @@ class OpenAIServing:
             logger.warning("request %s: its engine became unavailable: %s", request.request_id, e)
             raise unavailable("The engine serving this request became unavailable; retry the "
                               f"request (request id {request.request_id}).") from e
+        except RequestDeadlineError as e:
+            logger.warning("request %s: %s", request.request_id, e)
+            raise OpenAIError(f"The request ran past the server's deadline for a request "
+                              f"(request id {request.request_id}).", 504, "timeout") from e
+        except EngineDiedError as e:
+            logger.error("request %s lost: %s", request.request_id, e)
+            raise unavailable("The engines serving this request died and no live engine could "
+                              f"continue it; retry the request (request id "
+                              f"{request.request_id}).") from e
         except EngineRequestError as e:
             # The detail (engine and actor names, Ray's error text) is for the operator's log;
             # the client learns what it can act on and the id to quote.

@@ -7,7 +7,8 @@ multiplexed on ONE long-lived Ray stream per actor, `outputs()`, each item a lis
 (or `GenerateFailure`) ready since the previous item. One stream per engine instead of one per
 request: at thousands of tokens/s a Ray object per token per request saturated the frontend's
 event loop (benchmarks/frontend_stream.py). `abort()` ends a request early; `stats()` is polled
-by the frontend; `shutdown()` runs last.
+by the frontend (and says when the engine is dead); `release_kv()` frees a prefill's KV that no
+decode leg will pull; `shutdown()` runs last.
 The engine is built by its kind in the config (`engine.kind`, registry.py), so tests and
 benchmarks run the mock engine without touching serving code.
 """
@@ -115,9 +116,14 @@ class EngineActor:
         except asyncio.CancelledError:
             failure = None  # aborted by `abort()`: nobody listens any more
             raise
-        except Exception as e:  # noqa: BLE001 - fails this request alone
-            logger.exception("request %s failed in engine %s", rid, self._spec.replica_id)
-            failure = GenerateFailure(rid, repr(e))
+        except Exception as e:  # noqa: BLE001 - fails this request alone, or the engine died
+            dead = self._engine.dead
+            if dead:
+                logger.error("request %s lost: engine %s is dead (%r)", rid,
+                             self._spec.replica_id, e)
+            else:
+                logger.exception("request %s failed in engine %s", rid, self._spec.replica_id)
+            failure = GenerateFailure(rid, repr(e), engine_dead=dead)
         finally:
             self._running.pop(rid, None)
             if failure is not None:
@@ -144,9 +150,15 @@ class EngineActor:
                 self._aborted_early.popitem(last=False)
 
     async def stats(self) -> EngineStats:
+        if self._engine.dead:
+            return EngineStats(self._spec.replica_id, self._spec.pool, dead=True)
         firsts = tuple(self._first_output_s)
         self._first_output_s.clear()
         return dataclasses.replace(self._engine.stats(), first_output_seconds=firsts)
+
+    async def release_kv(self, kv_transfer_params: dict) -> None:
+        """End the KV pin of a prefill leg whose decode leg will never pull it."""
+        await self._engine.release_kv(kv_transfer_params)
 
     async def shutdown(self) -> None:
         for task in list(self._running.values()):

@@ -105,6 +105,13 @@ class MockEngine:
             kv_transfer_seconds=tuple(self._drain_transfer_seconds()),
         )
 
+    @property
+    def dead(self) -> bool:
+        return False  # a mock engine dies only with its actor
+
+    async def release_kv(self, kv_transfer_params: dict) -> None:
+        pass  # the mock keeps no KV after a prefill leg ends
+
     def _drain_transfer_seconds(self) -> list[float]:
         seconds, self._kv_seconds = self._kv_seconds, []
         return seconds
@@ -179,6 +186,9 @@ class MockEngine:
 
     def _next_token(self, state: _Running) -> int:
         request = state.request
+        replay = request.replay_output_tokens
+        if len(state.output) < len(replay):
+            return replay[len(state.output)]  # forced: the client has these already
         # A decode leg's prompt ends with the tokens the client already has (the first token):
         # counted as output, its continuation equals what a colocated run produces.
         prior = request.prior_output_tokens

@@ -34,6 +34,17 @@ class Engine(Protocol):
         """Cheap, non-blocking snapshot; called every second or so by the frontend."""
         ...
 
+    @property
+    def dead(self) -> bool:
+        """The engine can serve nothing more (vLLM: its engine core exited); the frontend
+        replaces it and moves its requests."""
+        ...
+
+    async def release_kv(self, kv_transfer_params: dict) -> None:
+        """A prefill engine: end the pin of the request these transfer parameters (from its
+        prefill leg) name, whose decode leg will never pull. Best effort, idempotent."""
+        ...
+
     async def shutdown(self) -> None:
         """Release the engine (subprocesses, memory). Called once, last."""
         ...

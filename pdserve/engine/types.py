@@ -43,6 +43,12 @@ class GenerateRequest:
     # first token, from the prefill leg). Deltas count them as output, not prompt, so a leg's
     # deltas go to the client as they are.
     prior_output_tokens: int = 0
+    # Outputs the client already has that the engine must produce again, forced, as its first
+    # outputs (a decode leg after a prefill leg, a migrated request), so that what depends on
+    # them (presence/frequency penalties, a seeded generator, a stop string across them)
+    # continues exactly as on one engine. The engine's deltas include them; the request flow
+    # drops them. The prompt then holds the client's prompt only (prior_output_tokens 0).
+    replay_output_tokens: tuple[int, ...] = ()
     # Opaque to the engine adapter; consumed by pdserve's KV connector (disaggregated mode).
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -87,6 +93,8 @@ class EngineStats:
     # Seconds from a request's arrival at the engine's actor to its first output, for requests
     # that produced one since the previous stats call (set by EngineActor, not by engines).
     first_output_seconds: tuple[float, ...] = ()
+    # The engine can serve nothing more (set by EngineActor from `Engine.dead`).
+    dead: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,3 +120,6 @@ class GenerateFailure:
 
     request_id: str
     error: str = ""
+    # The engine itself is dead (vLLM's engine core exited): every request on it fails, and
+    # another engine may run them; False: this request alone failed.
+    engine_dead: bool = False

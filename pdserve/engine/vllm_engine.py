@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# pdserve.engine.replay's processor, by name: importing it needs vLLM.
+_REPLAY_PROCESSOR = "pdserve.engine.replay:ReplayLogitsProcessor"
+_REPLAY_KEY = "pdserve_replay"
+
 # Without an explicit size vLLM's CPU backend reserves most of the host's RAM for KV.
 # 1 GiB holds ~23k tokens of SmolLM2-135M in fp32 (182 blocks of 128 tokens).
 _DEFAULT_CPU_KV_BYTES = 1024**3
@@ -149,6 +153,15 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
 
+    @property
+    def dead(self) -> bool:
+        return self._llm is not None and bool(self._llm.errored)
+
+    async def release_kv(self, kv_transfer_params: dict) -> None:
+        # TODO(issue 28): reach the connector's source in the engine core; until then the
+        # lease frees the blocks.
+        return None
+
     def stats(self) -> EngineStats:
         s = self._scheduler
         seconds, s.kv_seconds = tuple(s.kv_seconds), []
@@ -215,6 +228,8 @@ def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool) -> Any:
         kv_cache_memory_bytes=kv_bytes,
         disable_log_stats=False,  # per-request timings and scheduler stats need it
     )
+    # Continued requests replay the outputs the client has (pdserve/engine/replay.py).
+    kwargs["logits_processors"] = [_REPLAY_PROCESSOR]
     if spec.pool in ("prefill", "decode"):
         kwargs["kv_transfer_config"] = _kv_transfer_config(spec)
     if engine.step_trace_dir is not None:
@@ -256,10 +271,14 @@ def _sampling_params(request: GenerateRequest) -> Any:
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     s = request.sampling
-    extra = {"kv_transfer_params": request.kv_transfer_params} if request.kv_transfer_params else None
+    extra: dict[str, Any] = {}
+    if request.kv_transfer_params:
+        extra["kv_transfer_params"] = request.kv_transfer_params
+    if request.replay_output_tokens:
+        extra[_REPLAY_KEY] = list(request.replay_output_tokens)
     return SamplingParams(
         n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
         stop=list(s.stop) or None, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, ignore_eos=s.ignore_eos,
-        output_kind=RequestOutputKind.DELTA, extra_args=extra,
+        output_kind=RequestOutputKind.DELTA, extra_args=extra or None,
     )

@@ -33,6 +33,7 @@ An optional `observer` sees every lifecycle event as a typed value (tests, traci
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -126,13 +127,20 @@ class LegFinished:
 
 
 @dataclass(frozen=True, slots=True)
+class Migrated:
+    request_id: str
+    pool: str
+    replica_id: str  # the engine the request continues on
+
+
+@dataclass(frozen=True, slots=True)
 class RequestFinished:
     request_id: str
     finish_reason: str
     output_tokens: int
 
 
-LedgerEvent = Admitted | LegStarted | FirstOutput | LegFinished | RequestFinished
+LedgerEvent = Admitted | LegStarted | FirstOutput | LegFinished | Migrated | RequestFinished
 
 
 @dataclass(slots=True)
@@ -151,6 +159,7 @@ class _LegBooks:
 @dataclass(slots=True)
 class _RequestBooks:
     legs: dict[Leg, _LegBooks] = field(default_factory=dict)
+    placed: list[tuple[str, str]] = field(default_factory=list)  # engines reserved for it
     pinned: bool = False
     first_token: float | None = None
 
@@ -220,9 +229,9 @@ class RequestLedger:
         prefill_pool, decode_pool = self._pools_of(placement)
         admission = Admission(request_id, placement, len(prompt_token_ids), max_tokens, hashes,
                               now, prefill_pool, decode_pool)
-        for pool, rid in self._placed(admission):
+        books = self._requests[request_id] = _RequestBooks(placed=self._placed(admission))
+        for pool, rid in books.placed:
             self.engines[pool, rid].reserved += 1
-        self._requests[request_id] = _RequestBooks()
         self._emit(Admitted(request_id, placement))
         return admission
 
@@ -250,6 +259,8 @@ class RequestLedger:
         pool, rid = admission.engine_of(leg)
         record = self.engines[pool, rid]
         books = self._requests[admission.request_id]
+        if record.in_flight == 0:
+            record.last_progress = now  # an idle engine's clock of progress starts now
         record.in_flight += 1
         if leg is Leg.DECODE:
             books.legs[leg] = _LegBooks(pool, now, 0, 0, decoding=True)
@@ -278,6 +289,9 @@ class RequestLedger:
         books = self._requests[admission.request_id]
         leg_books = books.legs[leg]
         pool, rid = admission.engine_of(leg)
+        record = self.engines.get(pool, rid)
+        if record is not None:
+            record.last_progress = now
         if leg_books.outputs == 0:
             self._first_output(admission, leg, leg_books, pool, rid, now, finished)
         elif tokens:
@@ -318,10 +332,7 @@ class RequestLedger:
         for leg in books.legs:  # legs their backend did not close
             self._close_leg(admission, books, leg, now, None)
         self._unpin(admission, books)
-        for pool, rid in self._placed(admission):
-            record = self.engines.get(pool, rid)
-            if record is not None:
-                record.reserved = max(0, record.reserved - 1)
+        self._release(books)
         ttft = tpot = None
         if books.first_token is not None:
             ttft = books.first_token - admission.admitted_at
@@ -330,6 +341,41 @@ class RequestLedger:
                 self.tracker.record_tpot(admission.decode_pool, now, tpot)
         self._emit(RequestFinished(admission.request_id, finish_reason, output_tokens))
         return RequestTiming(ttft, tpot, now - admission.admitted_at)
+
+    def migrate(self, admission: Admission, now: float, prompt_tokens: int,
+                max_tokens: int) -> Admission | Rejection:
+        """The engine producing the request's tokens died (or hung): release what the request
+        held (its legs, reservations, a pin not pulled yet) and place its continuation, a
+        `FULL` leg of `prompt_tokens` (the prompt and the outputs so far, recomputed) and
+        `max_tokens` more, on another engine of its decode pool. A `Rejection` (no engine takes it
+        now) leaves the request holding nothing; `migrate` may be called again. The client's
+        timing (TTFT, admission) carries over."""
+        books = self._requests[admission.request_id]
+        for leg in books.legs:
+            self._close_leg(admission, books, leg, now, None)
+        self._unpin(admission, books)
+        self._release(books)
+        pool, left = admission.decode_pool, admission.placement.decode
+        loads = [load for load in self.engines.loads(pool) if load.replica_id != left]
+        placement = place_colocated(RouteRequest(prompt_tokens, max_tokens, {}), loads,
+                                    self.model(pool), None, self.policy)
+        if isinstance(placement, Rejection):
+            return placement
+        placement = dataclasses.replace(placement, reason="migrated")
+        moved = dataclasses.replace(admission, placement=placement, prompt_tokens=prompt_tokens,
+                                    max_tokens=max_tokens, hashes=(), prefill_pool=None)
+        books.legs = {}
+        books.placed = [(pool, placement.decode)]
+        self.engines[pool, placement.decode].reserved += 1
+        self._emit(Migrated(admission.request_id, pool, placement.decode))
+        return moved
+
+    def _release(self, books: _RequestBooks) -> None:
+        for pool, rid in books.placed:
+            record = self.engines.get(pool, rid)
+            if record is not None:
+                record.reserved = max(0, record.reserved - 1)
+        books.placed = []
 
     def _close_leg(self, admission: Admission, books: _RequestBooks, leg: Leg, now: float,
                    finish_reason: str | None) -> None:

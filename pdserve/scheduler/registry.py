@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 
 from pdserve.scheduler.routing import EngineLoad
 
+# Stats calls in a row an engine may miss before routing skips it (it comes back on an answer):
+# one miss is a busy host, several a wedged engine.
+STATS_MISSES_UNROUTABLE = 3
+
 
 @dataclass(slots=True)
 class BusyLog:
@@ -67,6 +71,10 @@ class EngineRecord:
     kv_usage: float = 0.0
     healthy: bool = True  # False once the engine is known dead: no more routing to it
     answering: bool = True  # its last stats call came back in time (else: slow or wedged)
+    stats_misses: int = 0  # stats calls in a row that did not come back in time
+    # When it last showed progress: an output of any leg, or work arriving while it had none.
+    # An engine with legs in flight and no progress for long is hung (the supervisor's check).
+    last_progress: float = 0.0
     ready: bool = True  # False while starting
     draining: bool = False
     busy: BusyLog = field(default_factory=BusyLog)  # prefill in flight (leg start..first output)
@@ -78,7 +86,8 @@ class EngineRecord:
 
     @property
     def accepting(self) -> bool:
-        return self.healthy and self.ready and not self.draining
+        return (self.healthy and self.ready and not self.draining
+                and self.stats_misses < STATS_MISSES_UNROUTABLE)
 
     @property
     def idle(self) -> bool:
@@ -89,7 +98,7 @@ class EngineRecord:
     def load(self) -> EngineLoad:
         key = (self.replica_id, self.queued_prefill_tokens, self.num_decoding, self.reserved,
                self.kv_usage, self.num_kv_blocks, self.block_size, self.healthy, self.ready,
-               self.draining)
+               self.draining, self.stats_misses >= STATS_MISSES_UNROUTABLE)
         if key == self._load_key:
             return self._load
         # Blocks the frontend has committed but the engine's last report may not show yet are
@@ -149,6 +158,7 @@ class EngineRegistry:
             record.healthy = healthy
         if answering is not None:
             record.answering = answering
+            record.stats_misses = 0 if answering else record.stats_misses + 1
 
     def get(self, pool: str, replica_id: str) -> EngineRecord | None:
         return self._pools[pool].get(replica_id)

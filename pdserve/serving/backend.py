@@ -47,8 +47,14 @@ class EngineBackend(Protocol):
         """Ask every engine for stats (bounded time); marks engines that fail as unhealthy."""
         ...
 
+    def health(self) -> dict:
+        """{"status": "ready" | "degraded" | "down", "pools": {...}, "reason": ...}: ready when
+        every pool is at its size, degraded when one is below it (or no longer restarted) but
+        requests are served, down when the pool that produces tokens has no engine."""
+        ...
+
     def healthy(self) -> bool:
-        """True when at least one engine of every pool answered its last stats call."""
+        """Requests can be served (health's status is not 'down')."""
         ...
 
     async def shutdown(self) -> None:

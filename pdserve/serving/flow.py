@@ -10,9 +10,24 @@
   budget, and where the KV is; its KV connector pulls the blocks and it continues from token 2;
 - when the first token already ends the request (EOS, a stop string, a budget of one) there is
   no decode leg, and nothing stays pinned;
-- a prefill engine that dies or fails the leg follows `kv.failure_policy`: `recompute` runs the
-  request as a `FULL` leg on its decode engine, `fail` ends it with a clear error. A failed pull
-  inside the decode engine follows the same policy in the connector.
+- a prefill engine that dies follows `kv.failure_policy`: `recompute` runs the request as a
+  `FULL` leg on its decode engine, `fail` ends it with a clear error. A failed pull inside the
+  decode engine follows the same policy in the connector. A leg the engine failed for the
+  request's own sake (`EngineRequestError`, not `EngineDiedError`) is never run again elsewhere;
+- a decode (or colocated) engine that dies mid-stream: the request migrates, up to
+  `migration_limit` times, to another engine of its pool (waiting for a replacement while one
+  is starting), which continues it from the prompt and the tokens the client already has;
+  the client's stream goes on without a token missing or repeated. When no engine is left to
+  continue it, it ends with `EngineDiedError`;
+- a decode leg that never pulled its KV (the engine died, the client left) releases the prefill
+  engine's pin at once rather than at the lease's end.
+
+How a leg continues output the client already has (token 1 from the prefill leg, or everything
+streamed before a migration) depends on the sampling: where the outputs only extend the context
+(greedy or unseeded sampling, no penalties, no stop strings) they join the prompt
+(`prior_output_tokens`); otherwise the engine replays them as forced outputs
+(`replay_output_tokens`), so penalties, a seeded generator and a stop string across the join
+come out exactly as on one engine, and the flow drops the replayed part of the leg's deltas.
 
 Every step is booked in the ledger (`leg_started`, `leg_output`, `leg_finished`,
 `request_finished`) with this module's one clock, and the ledger's timing of the finished
@@ -28,10 +43,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from pdserve.engine.types import GenerateDelta, GenerateRequest, Leg
-from pdserve.errors import EngineRequestError, EngineUnavailableError, OverloadedError
+from pdserve.engine.types import GenerateDelta, GenerateRequest, Leg, SamplingOptions
+from pdserve.errors import (
+    EngineDiedError, EngineRequestError, EngineUnavailableError, OverloadedError,
+    RequestDeadlineError,
+)
 from pdserve.scheduler.ledger import Admission, RequestLedger
 from pdserve.scheduler.routing import Rejection
 from pdserve.serving.metrics import ServingMetrics
@@ -43,24 +62,44 @@ class EngineChannel(Protocol):
     def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Submit one leg to the engine and stream its deltas until one is finished. Closing
         the iterator before that aborts the leg in the engine. Raises `EngineRequestError` when
-        the engine fails the leg or dies (and reports a death to the registry)."""
+        the engine fails the leg for the request's sake, `EngineDiedError` when it dies."""
+        ...
+
+    async def release_kv(self, kv_transfer_params: dict) -> None:
+        """A prefill engine: end the pin of the request these parameters name (its decode leg
+        will never pull it). Best effort: the lease frees it anyway."""
         ...
 
 
 # (pool, replica id) -> the engine's channel; raises EngineUnavailableError for a gone engine.
 ChannelLookup = Callable[[str, str], EngineChannel]
+# pool -> whether an engine of it is starting (or about to be): a migration waits for it.
+CapacityComing = Callable[[str], bool]
+
+# How often a migration that found no engine looks again while a replacement starts.
+_MIGRATION_POLL_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class FlowOptions:
+    failure_policy: str = "recompute"  # kv.failure_policy
+    migration_limit: int = 3  # serving.migration_limit
+    migration_wait_s: float = 900.0  # longest a migration waits for an engine to start
+    request_timeout_s: float | None = None  # api.request_timeout_s
 
 
 class RequestFlow:
-    def __init__(self, ledger: RequestLedger, channels: ChannelLookup, failure_policy: str,
-                 metrics: ServingMetrics, serving_pool: str,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ledger: RequestLedger, channels: ChannelLookup,
+                 options: FlowOptions | str, metrics: ServingMetrics, serving_pool: str,
+                 clock: Callable[[], float] = time.monotonic,
+                 capacity_coming: CapacityComing = lambda pool: False) -> None:
         self._ledger = ledger
         self._channels = channels
-        self._failure_policy = failure_policy
+        self._options = FlowOptions(options) if isinstance(options, str) else options
         self._metrics = metrics
         self._serving_pool = serving_pool
         self._clock = clock
+        self._capacity_coming = capacity_coming
 
     def admit(self, request: GenerateRequest) -> Admission:
         admission = self._ledger.admit(request.request_id, request.prompt_token_ids,
@@ -85,9 +124,12 @@ class RequestFlow:
 
     async def run(self, request: GenerateRequest,
                   admission: Admission) -> AsyncIterator[GenerateDelta]:
+        state = _Running(admission)
+        timeout = self._options.request_timeout_s
+        state.deadline = None if timeout is None else admission.admitted_at + timeout
         output_tokens, reason, finished_at = 0, "error", None
         try:
-            async with aclosing(self._legs(request, admission)) as deltas:
+            async with aclosing(self._legs(request, state)) as deltas:
                 async for delta in deltas:
                     output_tokens = delta.num_output_tokens
                     if delta.finished:
@@ -96,8 +138,11 @@ class RequestFlow:
         except (asyncio.CancelledError, GeneratorExit):
             reason = "client_disconnect"
             raise
+        except RequestDeadlineError:
+            reason = "timeout"
+            raise
         finally:
-            self.finish(request, admission, finished_at, output_tokens, reason)
+            self.finish(request, state.admission, finished_at, output_tokens, reason)
 
     def finish(self, request: GenerateRequest, admission: Admission, now: float | None,
                output_tokens: int, reason: str) -> None:
@@ -109,40 +154,78 @@ class RequestFlow:
                                       reason)
 
     async def _legs(self, request: GenerateRequest,
-                    admission: Admission) -> AsyncIterator[GenerateDelta]:
-        first = None
-        if admission.first_leg is Leg.PREFILL:
-            first = await self._prefill(request, admission)
-        if first is None:  # a local placement, or a failed prefill recomputed where it decodes
-            async with aclosing(self._leg(Leg.FULL, request, admission)) as deltas:
+                    state: _Running) -> AsyncIterator[GenerateDelta]:
+        try:
+            async with aclosing(self._continued(request, state)) as deltas:
                 async for delta in deltas:
                     yield delta
-            return
-        # The first token can end the request: EOS or a stop string ("stop"), or a budget of one.
-        ends_here = first.finish_reason == "stop" or request.sampling.max_tokens == 1
-        yield _first_for_client(request, first, finished=ends_here)
-        if ends_here:
-            return
-        async with aclosing(self._leg(Leg.DECODE, decode_request(request, first),
-                                      admission)) as deltas:
-            async for delta in deltas:
-                if delta.finish_reason == "error":
-                    # The connector's `fail` policy: the KV pull failed and nothing was recomputed.
-                    raise EngineRequestError(
-                        f"KV transfer for {request.request_id} from its prefill engine failed "
-                        "(kv.failure_policy is 'fail')")
-                yield delta  # the client's id and counts already (GenerateRequest.prior_output_tokens)
+        finally:
+            # A decode leg that never pulled (it failed, the client left between the legs, the
+            # deadline passed): the prefill engine's pin goes now, not at the lease's end.
+            self._release_prefill_kv(state)
 
-    async def _prefill(self, request: GenerateRequest,
-                       admission: Admission) -> GenerateDelta | None:
+    async def _continued(self, request: GenerateRequest,
+                         state: _Running) -> AsyncIterator[GenerateDelta]:
+        sent = _Sent()  # what the client has
+        first = None
+        if state.admission.first_leg is Leg.PREFILL:
+            first = await self._prefill(request, state)
+        if first is None:  # a local placement, or a failed prefill recomputed where it decodes
+            leg, leg_request = Leg.FULL, request
+        else:
+            # The first token can end the request: EOS or a stop string ("stop"), or a budget
+            # of one.
+            ends_here = first.finish_reason == "stop" or request.sampling.max_tokens == 1
+            if not ends_here:
+                state.prefill_params = first.kv_transfer_params
+                state.prefill_engine = state.admission.engine_of(Leg.PREFILL)
+            out = _first_for_client(request, first, finished=ends_here)
+            sent.add(out)
+            yield out
+            if ends_here:
+                return
+            leg, leg_request = Leg.DECODE, decode_request(request, first)
+        migrations = 0
+        while True:
+            replayed = _Replayed(leg_request, sent)
+            try:
+                async with aclosing(self._leg(leg, leg_request, state)) as deltas:
+                    async for delta in deltas:
+                        if leg is Leg.DECODE and delta.finish_reason == "error":
+                            # The connector's `fail` policy: the KV pull failed, nothing was
+                            # recomputed.
+                            raise EngineRequestError(
+                                f"KV transfer for {request.request_id} from its prefill engine "
+                                "failed (kv.failure_policy is 'fail')")
+                        if leg is Leg.DECODE and delta.token_ids:
+                            state.pulled = True
+                        out = replayed.new_part(delta)
+                        if out is not None:
+                            sent.add(out)
+                            yield out
+                return
+            except EngineDiedError as e:
+                self._release_prefill_kv(state)
+                if migrations >= self._options.migration_limit:
+                    raise
+                migrations += 1
+                logger.warning("request %s: its engine %s died after %d tokens (%s); migrating",
+                               request.request_id, state.admission.placement.decode,
+                               len(sent.tokens), e)
+                await self._migrate(request, state, sent)
+                leg = Leg.FULL
+                leg_request = continuation_request(request, sent, migrations)
+
+    async def _prefill(self, request: GenerateRequest, state: _Running) -> GenerateDelta | None:
         """The prefill leg's last delta (its first token), or None to recompute."""
         try:
             async with aclosing(self._leg(Leg.PREFILL, prefill_request(request),
-                                          admission)) as stream:
+                                          state)) as stream:
                 deltas = [d async for d in stream]
-        except (EngineRequestError, EngineUnavailableError) as e:
-            # A dead prefill engine, or none left in the pool: the decode engine can still serve.
-            if self._failure_policy != "recompute":
+        except (EngineDiedError, EngineUnavailableError) as e:
+            # A dead prefill engine, or none left in the pool: the decode engine can still
+            # serve. An error the request caused on its prefill engine is not retried.
+            if self._options.failure_policy != "recompute":
                 raise
             logger.warning("prefill of %s failed (%s); recomputing on the decode engine",
                            request.request_id, e)
@@ -153,14 +236,24 @@ class RequestFlow:
         return first
 
     async def _leg(self, leg: Leg, request: GenerateRequest,
-                   admission: Admission) -> AsyncIterator[GenerateDelta]:
+                   state: _Running) -> AsyncIterator[GenerateDelta]:
         """Stream one leg from its engine, booking it in the ledger."""
-        channel = self._channels(*admission.engine_of(leg))
+        admission = state.admission
+        pool, replica_id = admission.engine_of(leg)
+        try:
+            if self._ledger.engines.get(pool, replica_id) is None:
+                raise EngineUnavailableError(f"engine {replica_id} is gone")
+            channel = self._channels(pool, replica_id)
+        except EngineUnavailableError as e:  # it died (and was replaced) since the placement
+            raise EngineDiedError(str(e)) from None
         ledger, reason = self._ledger, None
         ledger.leg_started(admission, leg, self._clock())
         try:
             async with aclosing(channel.stream(request)) as deltas:
-                async for delta in deltas:
+                while True:
+                    delta = await self._next(deltas, state, request)
+                    if delta is None:
+                        return
                     ledger.leg_output(admission, leg, self._clock(), len(delta.token_ids),
                                       delta.finished)
                     if delta.finished:
@@ -170,6 +263,118 @@ class RequestFlow:
                         return
         finally:
             ledger.leg_finished(admission, leg, self._clock(), reason)
+
+    async def _next(self, deltas: AsyncIterator[GenerateDelta], state: _Running,
+                    request: GenerateRequest) -> GenerateDelta | None:
+        """The leg's next delta (None at its end), within the request's deadline."""
+        if state.deadline is None:
+            return await anext(deltas, None)
+        left = state.deadline - self._clock()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(anext(deltas, None), left)
+        except TimeoutError:
+            raise RequestDeadlineError(
+                f"request {request.request_id} ran past its deadline "
+                f"({self._options.request_timeout_s:g} s)") from None
+
+    async def _migrate(self, request: GenerateRequest, state: _Running, sent: _Sent) -> None:
+        """Place the request's continuation on a live engine of its pool, waiting while one
+        is starting; raise `EngineDiedError` when none can take it."""
+        pool = state.admission.decode_pool
+        waited_until = self._clock() + self._options.migration_wait_s
+        if state.deadline is not None:
+            waited_until = min(waited_until, state.deadline)
+        prompt = len(request.prompt_token_ids) + len(sent.tokens)
+        left = request.sampling.max_tokens - len(sent.tokens)
+        while True:
+            moved = self._ledger.migrate(state.admission, self._clock(), prompt, left)
+            if isinstance(moved, Admission):
+                state.admission = moved
+                self._metrics.migrated.labels(pool).inc()
+                logger.info("request %s continues on %s", request.request_id,
+                            moved.placement.decode)
+                return
+            if not self._capacity_coming(pool) and moved.reason == "no_engine":
+                raise EngineDiedError(f"no live engine in pool {pool!r} can continue request "
+                                      f"{request.request_id}")
+            if self._clock() >= waited_until:
+                raise EngineDiedError(f"no engine in pool {pool!r} could take request "
+                                      f"{request.request_id} in time to continue it")
+            await asyncio.sleep(_MIGRATION_POLL_S)
+
+    def _release_prefill_kv(self, state: _Running) -> None:
+        """Free the prefill engine's pin of a decode leg that did not pull it, once, without
+        waiting (the request may be unwinding from a cancellation)."""
+        params, state.prefill_params = state.prefill_params, None
+        if params is None or state.pulled or state.prefill_engine is None:
+            return
+        try:
+            channel = self._channels(*state.prefill_engine)
+        except EngineUnavailableError:
+            return  # the engine is gone, and its KV with it
+        task = asyncio.get_running_loop().create_task(channel.release_kv(params))
+        _releases.add(task)
+        task.add_done_callback(_released)
+
+
+# Releases in flight (a task nobody awaits must be referenced until it ends).
+_releases: set[asyncio.Task[None]] = set()
+
+
+def _released(task: asyncio.Task[None]) -> None:
+    _releases.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("could not release a prefill engine's KV (its lease frees it): %r",
+                       task.exception())
+
+
+@dataclass(slots=True)
+class _Running:
+    """One request's state across its legs."""
+
+    admission: Admission  # replaced when the request migrates
+    deadline: float | None = None
+    prefill_params: dict | None = None  # the prefill engine's transfer parameters
+    prefill_engine: tuple[str, str] | None = None  # (pool, replica id) of the prefill leg
+    pulled: bool = False  # the decode leg produced output: its KV pull is over
+
+
+@dataclass(slots=True)
+class _Sent:
+    """The output the client has: token ids and text."""
+
+    tokens: list[int] = field(default_factory=list)
+    text_chars: int = 0
+
+    def add(self, delta: GenerateDelta) -> None:
+        self.tokens.extend(delta.token_ids)
+        self.text_chars += len(delta.text)
+
+
+class _Replayed:
+    """Drops the outputs a leg replays (already the client's) from its deltas."""
+
+    def __init__(self, leg_request: GenerateRequest, sent: _Sent) -> None:
+        replaying = bool(leg_request.replay_output_tokens)
+        self._tokens = len(leg_request.replay_output_tokens)
+        # Both engines' texts are prefixes of the one detokenization of the same tokens: the
+        # client's text is as long as it is, whatever the engine it came from held back.
+        self._chars = sent.text_chars if replaying else 0
+
+    def new_part(self, delta: GenerateDelta) -> GenerateDelta | None:
+        if not self._tokens and not self._chars:
+            return delta
+        drop_tokens = min(self._tokens, len(delta.token_ids))
+        drop_chars = min(self._chars, len(delta.text))
+        self._tokens -= drop_tokens
+        self._chars -= drop_chars
+        token_ids = delta.token_ids[drop_tokens:]
+        text = delta.text[drop_chars:]
+        if not token_ids and not text and not delta.finished:
+            return None
+        return dataclasses.replace(delta, token_ids=token_ids, text=text)
 
 
 class AdmittedStream:
@@ -208,6 +413,15 @@ class AdmittedStream:
         self._unstarted()
 
 
+def needs_replay(sampling: SamplingOptions) -> bool:
+    """Whether output the client has must be replayed by the engine that continues a request,
+    rather than joining its prompt: when sampling depends on which tokens are output (penalties,
+    a seeded generator's position) or a stop string may span the join."""
+    seeded = sampling.seed is not None and sampling.temperature > 0
+    return bool(seeded or sampling.stop or sampling.presence_penalty
+                or sampling.frequency_penalty)
+
+
 def prefill_request(request: GenerateRequest) -> GenerateRequest:
     """The prefill leg: one token; keep the blocks for a decode leg if one will follow."""
     sampling = dataclasses.replace(request.sampling, max_tokens=1)
@@ -220,16 +434,31 @@ def prefill_request(request: GenerateRequest) -> GenerateRequest:
 
 def decode_request(request: GenerateRequest, first: GenerateDelta) -> GenerateRequest:
     """The decode leg, under the client's request id (it runs on another engine than the
-    prefill leg): prompt + first token (already the client's output), the rest of the budget,
-    and the prefill engine connector's transfer parameters (where the KV is)."""
+    prefill leg): the first token continued (`continue_after`) and the prefill engine
+    connector's transfer parameters (where the KV is)."""
     params = {k: v for k, v in (first.kv_transfer_params or {}).items() if k != "do_remote_decode"}
     params["do_remote_prefill"] = True
-    sampling = dataclasses.replace(request.sampling, max_tokens=request.sampling.max_tokens - 1)
+    return dataclasses.replace(continue_after(request, first.token_ids), leg=Leg.DECODE,
+                               kv_transfer_params=params)
+
+
+def continuation_request(request: GenerateRequest, sent: _Sent, migration: int) -> GenerateRequest:
+    """A migrated request: one `FULL` leg that recomputes the prompt and continues after the
+    tokens the client has. Its id is new (the engine it leaves may still know the old one)."""
+    return dataclasses.replace(continue_after(request, tuple(sent.tokens)),
+                               request_id=f"{request.request_id}-m{migration}", leg=Leg.FULL)
+
+
+def continue_after(request: GenerateRequest, outputs: tuple[int, ...]) -> GenerateRequest:
+    """`request` continued after `outputs` (already the client's): replayed by the engine
+    (`needs_replay`), or joined to the prompt with the budget reduced."""
+    if needs_replay(request.sampling):
+        return dataclasses.replace(request, replay_output_tokens=outputs)
+    sampling = dataclasses.replace(request.sampling,
+                                   max_tokens=request.sampling.max_tokens - len(outputs))
     return dataclasses.replace(
-        request, prompt_token_ids=request.prompt_token_ids + first.token_ids, sampling=sampling,
-        leg=Leg.DECODE, prior_output_tokens=request.prior_output_tokens + len(first.token_ids),
-        kv_transfer_params=params,
-    )
+        request, prompt_token_ids=request.prompt_token_ids + outputs, sampling=sampling,
+        prior_output_tokens=request.prior_output_tokens + len(outputs))
 
 
 def _first_for_client(request: GenerateRequest, first: GenerateDelta,

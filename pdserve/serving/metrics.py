@@ -110,6 +110,14 @@ class ServingMetrics:
             "(up/down/none) and reason.", ["pool", "direction", "reason"], registry=r)
         self.engines_up = Gauge("pdserve_engines_healthy", "Engines answering stats calls.",
                                 ["pool"], registry=r)
+        self.engine_restarts = Counter(
+            "pdserve_engine_restarts_total", "Engines replaced, by pool and why the old one went "
+            "(died: the actor or its engine exited; hung: no progress within "
+            "serving.liveness_timeout_s; start_failed: a replacement did not start).",
+            ["pool", "reason"], registry=r)
+        self.migrated = Counter(
+            "pdserve_requests_migrated_total", "Requests that continued on another engine after "
+            "theirs died, by pool.", ["pool"], registry=r)
 
     def observe_request(self, pool: str, ttft_s: float | None, tpot_s: float | None,
                         e2e_s: float, prompt_tokens: int, output_tokens: int,
@@ -179,6 +187,18 @@ class ServingMetrics:
     def register_engines(self, infos: Iterable[EngineInfo]) -> None:
         for info in infos:
             self.engine_info.labels(info.pool, info.replica_id, str(info.pid), info.node_ip).set(1)
+
+    def forget_engine(self, info: EngineInfo) -> None:
+        """The engine is gone: drop its series (a replacement registers its own)."""
+        for gauge, labels in ((self.engine_info, (info.pool, info.replica_id, str(info.pid),
+                                                  info.node_ip)),
+                              (self.kv_usage, (info.pool, info.replica_id)),
+                              (self.engine_aborted, (info.pool, info.replica_id)),
+                              (self.engine_finished, (info.pool, info.replica_id))):
+            try:
+                gauge.remove(*labels)
+            except KeyError:
+                pass
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -16,17 +16,16 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from pdserve.config.schema import PdserveConfig, PoolRole, ServingMode
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateFailure, GenerateRequest
-from pdserve.errors import EngineRequestError, EngineUnavailableError
+from pdserve.errors import EngineDiedError, EngineRequestError, EngineUnavailableError
 from pdserve.models.embedded import ResolvedModel
 from pdserve.scheduler.ledger import LedgerEvent, RequestLedger, ledger_from_config
-from pdserve.scheduler.registry import EngineRegistry
 from pdserve.serving.actuator import PoolActuator
 from pdserve.serving.engine_outputs import StreamLost
-from pdserve.serving.flow import AdmittedStream, RequestFlow
+from pdserve.serving.flow import AdmittedStream, FlowOptions, RequestFlow
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.serving.replicas import (
     EnginePool, Replica, create_pool, kill_all, local_core_split, request_resources, start_all,
@@ -40,11 +39,14 @@ _STATS_TIMEOUT_S = 5.0
 
 
 class RayEngineChannel:
-    """One engine actor as the request flow reaches it."""
+    """One engine actor as the request flow reaches it. A leg whose engine died (the actor or
+    its engine core exited, or its output stream broke) raises `EngineDiedError` and the death
+    goes to `on_death` (the supervisor); Ray's transient `ActorUnavailableError` fails the leg
+    the same way but reports no death."""
 
-    def __init__(self, replica: Replica, engines: EngineRegistry) -> None:
+    def __init__(self, replica: Replica, on_death: Callable[[Replica], None]) -> None:
         self._replica = replica
-        self._engines = engines
+        self._on_death = on_death
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         replica = self._replica
@@ -58,15 +60,23 @@ class RayEngineChannel:
                 yield delta
                 if finished:
                     return
+        except ActorUnavailableError as e:
+            raise EngineDiedError(f"engine {replica.replica_id} is unreachable: {e}") from e
         except RayActorError as e:
-            self._engines.report(replica.pool.value, replica.replica_id, healthy=False)
-            raise EngineRequestError(f"engine {replica.replica_id} died: {e}") from e
+            self._on_death(replica)
+            raise EngineDiedError(f"engine {replica.replica_id} died: {e}") from e
+        except _EngineDead as e:
+            self._on_death(replica)
+            raise EngineDiedError(str(e)) from None
         except RayTaskError as e:
             raise EngineRequestError(f"engine {replica.replica_id} failed: {e.cause!r}") from e
         finally:
             replica.outputs.close(request.request_id)
             if not finished:
                 _abort_quietly(replica, request.request_id)
+
+    async def release_kv(self, kv_transfer_params: dict) -> None:
+        await self._replica.actor.release_kv.remote(kv_transfer_params)
 
 
 class RayBackend:
@@ -90,9 +100,12 @@ class RayBackend:
                 info = replica.info or self._info
                 self.ledger.engines.add(replica.pool.value, replica.replica_id, info.block_size,
                                         info.num_kv_blocks)
-        self._flow = RequestFlow(self.ledger, self._channel, config.kv.failure_policy,
-                                 self.metrics, self._serving_pool.value)
         self.actuator = PoolActuator(pools, config, model, self.ledger, self.metrics, self._info)
+        options = FlowOptions(config.kv.failure_policy, config.serving.migration_limit,
+                              config.engine.start_timeout_s, config.api.request_timeout_s)
+        self._flow = RequestFlow(self.ledger, self._channel, options, self.metrics,
+                                 self._serving_pool.value,
+                                 capacity_coming=self.actuator.capacity_coming)
 
     @classmethod
     async def launch(cls, config: PdserveConfig, model: ResolvedModel,
@@ -144,7 +157,7 @@ class RayBackend:
     def _channel(self, pool: str, replica_id: str) -> RayEngineChannel:
         for replica in self._pools[PoolRole(pool)].replicas:
             if replica.replica_id == replica_id:
-                return RayEngineChannel(replica, self.ledger.engines)
+                return RayEngineChannel(replica, self.actuator.engine_died)
         raise EngineUnavailableError(f"engine {replica_id} is gone")
 
     # --- stats ------------------------------------------------------------------------------
@@ -158,25 +171,30 @@ class RayBackend:
         engines = self.ledger.engines
         for replica, result in zip(replicas, results, strict=True):
             pool, rid = replica.pool.value, replica.replica_id
+            if isinstance(result, EngineStats) and result.dead:
+                self.actuator.engine_died(replica)
+                continue
             if isinstance(result, EngineStats):
                 stats.append(result)
                 engines.report(pool, rid, kv_usage=result.kv_cache_usage, healthy=True,
                                answering=True)
                 continue
             engines.report(pool, rid, answering=False)
-            # A dead actor takes no more requests; a slow answer (an overloaded host) is
-            # reported but the engine stays routable: its requests still complete.
-            if isinstance(result, RayActorError):
-                engines.report(pool, rid, healthy=False)
+            # A dead actor (or engine core) is replaced; a slow answer (an overloaded host) or
+            # Ray's transient unavailability is only counted: routing skips an engine that
+            # keeps missing, the supervisor replaces one silent past the liveness timeout.
+            if isinstance(result, RayActorError) and not isinstance(result, ActorUnavailableError):
                 self.actuator.engine_died(replica)
             logger.warning("engine %s did not answer stats: %r", rid, result)
         self.actuator.publish_pool_sizes()
         return stats
 
+    def health(self) -> dict:
+        """ready / degraded / down, per pool (`PoolActuator.health`)."""
+        return self.actuator.health()
+
     def healthy(self) -> bool:
-        """At least one started engine in every pool that answered its last stats call."""
-        return all(any(e.healthy and e.answering and e.ready
-                       for e in self.ledger.engines.engines(role.value)) for role in self._pools)
+        return self.health()["status"] != "down"
 
     async def shutdown(self) -> None:
         await self.actuator.stop()
@@ -193,13 +211,21 @@ def _delta_or_raise(replica: Replica, output: GenerateDelta | GenerateFailure | 
     if isinstance(output, GenerateDelta):
         return output
     if isinstance(output, GenerateFailure):
+        if output.engine_dead:
+            raise _EngineDead(f"engine {replica.replica_id}'s engine core died: {output.error}")
         if output.error:
             raise EngineRequestError(f"engine {replica.replica_id} failed: {output.error}")
         raise EngineRequestError(f"engine {replica.replica_id} ended a stream unfinished")
-    if isinstance(output.error, (RayActorError, RayTaskError)):
+    if isinstance(output.error, RayActorError):
         raise output.error  # mapped (and a dead actor reported) by `RayEngineChannel.stream`
-    raise EngineRequestError(f"lost the output stream of engine {replica.replica_id}: "
-                             f"{output.error!r}")
+    # The actor's one output stream broke or ended (stopped, killed): every leg on it is lost.
+    raise EngineDiedError(f"lost the output stream of engine {replica.replica_id}: "
+                          f"{output.error!r}")
+
+
+class _EngineDead(Exception):
+    """The actor lives but its engine does not (vLLM's engine core exited)."""
+
 
 
 def _abort_quietly(replica: Replica, request_id: str) -> None:

@@ -170,10 +170,13 @@ async def start_all(replicas: list[Replica], timeout_s: float) -> list[EngineInf
         raise EngineStartError(f"an engine failed to start: {e}") from e
 
 
-async def kill_all(replicas: list[Replica]) -> None:
+async def kill_all(replicas: list[Replica], graceful: bool = True) -> None:
+    """Stop each engine: its `shutdown()` first when `graceful` (not for a dead or hung one,
+    which would only make this wait), then kill its actor and close its output stream."""
     for replica in replicas:
         try:
-            await asyncio.wait_for(replica.actor.shutdown.remote(), 30)
+            if graceful:
+                await asyncio.wait_for(replica.actor.shutdown.remote(), 30)
         except (Exception, GetTimeoutError) as e:  # noqa: BLE001 - each release on its own
             logger.warning("engine %s did not shut down cleanly: %r", replica.replica_id, e)
         try:

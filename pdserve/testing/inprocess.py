@@ -32,6 +32,9 @@ class InProcessChannel:
             async for delta in deltas:
                 yield delta
 
+    async def release_kv(self, kv_transfer_params: dict) -> None:
+        await self._engine.release_kv(kv_transfer_params)
+
 
 class InProcessBackend:
     def __init__(self, engines: Sequence[Engine], metrics: ServingMetrics | None = None,
@@ -92,6 +95,10 @@ class InProcessBackend:
             for s in stats:
                 self.ledger.engines.report(COLOCATED, s.replica_id, kv_usage=s.kv_cache_usage)
         return stats
+
+    def health(self) -> dict:
+        return {"status": "ready", "pools": {COLOCATED: {"serving": len(self._engines),
+                                                        "target": len(self._engines)}}}
 
     def healthy(self) -> bool:
         return True

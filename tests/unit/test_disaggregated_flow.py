@@ -1,12 +1,14 @@
 """The request flow over mock engines (no Ray, no vLLM): prefill -> decode legs, fallbacks, and
 the ledger's books after each (nothing left reserved, pinned, queued or in flight)."""
 
+import asyncio
+
 import pytest
 
 from pdserve.config.schema import MockEngineConfig
 from pdserve.engine.mock_engine import MockEngine
 from pdserve.engine.types import GenerateDelta, GenerateRequest, Leg, SamplingOptions
-from pdserve.errors import EngineRequestError
+from pdserve.errors import EngineDiedError, EngineRequestError
 from pdserve.scheduler.ledger import FirstOutput, LegFinished, LegStarted, RequestLedger
 from pdserve.scheduler.perf_model import PerfModel
 from pdserve.scheduler.routing import RoutingPolicy
@@ -36,11 +38,16 @@ def request(max_tokens, prompt=(5, 6, 7), stop=()):
 class _Channel:
     """An engine reached in process, or a stand-in stream function."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, released=None):
         self.stream = stream
+        self._released = released
+
+    async def release_kv(self, params):
+        if self._released is not None:
+            self._released.append(params)
 
 
-def flow_over(engines, policy="recompute", prefill=None, decode=None, sent=None):
+def flow_over(engines, policy="recompute", prefill=None, decode=None, sent=None, released=None):
     events = []
     # Never prefill locally: every request takes the remote path.
     ledger = RequestLedger(["prefill", "decode"], PerfModel(prefill_tokens_per_s=1e4, decode_step_s=0.01),
@@ -58,8 +65,8 @@ def flow_over(engines, policy="recompute", prefill=None, decode=None, sent=None)
 
     streams = {"prefill": recording(prefill or InProcessChannel(engines["prefill"]).stream),
                "decode": decode or InProcessChannel(engines["decode"]).stream}
-    flow = RequestFlow(ledger, lambda pool, rid: _Channel(streams[rid]), policy, ServingMetrics(),
-                       "decode")
+    flow = RequestFlow(ledger, lambda pool, rid: _Channel(streams[rid], released), policy,
+                       ServingMetrics(), "decode")
     return flow, ledger, events
 
 
@@ -105,8 +112,21 @@ async def test_first_token_hitting_a_stop_string_ends_the_request(engines):
 
 
 async def failing_prefill(req):
-    raise EngineRequestError("engine prefill-0 died")
+    raise EngineDiedError("engine prefill-0 died")
     yield  # pragma: no cover - makes this an async generator
+
+
+async def test_a_prefill_the_request_itself_failed_is_not_recomputed(engines):
+    async def refusing_prefill(req):
+        raise EngineRequestError("engine prefill-0 failed: ValueError('bad request')")
+        yield  # pragma: no cover
+
+    flow, ledger, events = flow_over(engines, "recompute", prefill=refusing_prefill)
+    with pytest.raises(EngineRequestError, match="bad request"):
+        await run(flow, request(4))
+    assert [e.leg for e in events if isinstance(e, LegStarted)] == [Leg.PREFILL]
+    assert engines["decode"].stats().num_finished_total == 0
+    assert_books_closed(ledger)
 
 
 async def test_dead_prefill_is_recomputed_on_the_decode_engine(engines):
@@ -139,11 +159,24 @@ async def test_failed_pull_under_the_fail_policy_is_a_clear_error(engines):
 
 
 async def test_a_client_gone_between_the_legs_releases_the_prefill_pin(engines):
-    flow, ledger, _ = flow_over(engines)
+    released = []
+    flow, ledger, _ = flow_over(engines, released=released)
     stream = flow.stream(request(6), flow.admit(request(6)))
     await anext(stream)  # the first token, from the prefill leg
     assert ledger.engine("prefill", "prefill").pins == 1
     await stream.aclose()
+    assert_books_closed(ledger)
+    await asyncio.sleep(0)  # the release runs as its own task
+    # The prefill engine is told to free the KV now, with the parameters that name it.
+    assert [p["remote_engine_id"] for p in released] == ["prefill"]
+
+
+async def test_a_decode_leg_that_pulled_releases_nothing(engines):
+    released = []
+    flow, ledger, _ = flow_over(engines, released=released)
+    await run(flow, request(6))
+    await asyncio.sleep(0)
+    assert released == []
     assert_books_closed(ledger)
 
 
