@@ -141,14 +141,24 @@ class _Admission:
 
 async def _respond(serving: OpenAIServing, prepared: PreparedRequest, request: Request,
                    release: Callable[[], None]) -> Response:
+    placed = _placement_headers(prepared)
     if prepared.stream:
         return StreamingResponse(_released_after(serving.stream(prepared), release),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache", **placed})
     try:
-        return await _complete_unless_disconnected(serving, prepared, request)
+        response = await _complete_unless_disconnected(serving, prepared, request)
     finally:
         release()
+    response.headers.update(placed)
+    return response
+
+
+def _placement_headers(prepared: PreparedRequest) -> dict[str, str]:
+    """x-pdserve-prefill-engine / x-pdserve-decode-engine: the engines the request was placed
+    on when it started (a remote prefill only for the first)."""
+    engines = getattr(prepared.deltas, "engines", None) or {}
+    return {f"x-pdserve-{leg}-engine": replica for leg, replica in engines.items()}
 
 
 async def _released_after(events: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:

@@ -424,8 +424,9 @@ class ApiConfig(_Section):
         "event). None: no deadline.",
     )
     shutdown_grace_s: float = Field(
-        30.0, ge=0, description="On SIGTERM: new requests get 503 while running ones may finish "
-        "for up to this long; then the rest are aborted and everything stops.",
+        30.0, ge=0, description="On SIGTERM (or Ctrl-C): new connections are refused and /ready "
+        "answers 503 while running requests and streams may finish for up to this long; then "
+        "the rest are aborted and everything stops.",
     )
 
     ssl_certfile: Path | None = Field(

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 # pdserve.engine.replay's processor, by name: importing it needs vLLM.
 _REPLAY_PROCESSOR = "pdserve.engine.replay:ReplayLogitsProcessor"
 _REPLAY_KEY = "pdserve_replay"
+_PRIOR_KEY = "pdserve_prior"
+_WORKER_EXTENSION = "pdserve.engine.worker_extension.PdserveWorkerExtension"
 
 # Without an explicit size vLLM's CPU backend reserves most of the host's RAM for KV.
 # 1 GiB holds ~23k tokens of SmolLM2-135M in fp32 (182 blocks of 128 tokens).
@@ -158,9 +160,12 @@ class VllmEngine:
         return self._llm is not None and bool(self._llm.errored)
 
     async def release_kv(self, kv_transfer_params: dict) -> None:
-        # TODO(issue 28): reach the connector's source in the engine core; until then the
-        # lease frees the blocks.
-        return None
+        # The pin lives in the connector's worker side, in vLLM's worker process(es).
+        request_id = kv_transfer_params.get("remote_request_id")
+        if self._llm is None or not request_id or self._spec.pool != "prefill":
+            return
+        released = await self._llm.collective_rpc("pdserve_release_kv", args=(request_id,))
+        logger.debug("released the KV of %s: %s", request_id, released)
 
     def stats(self) -> EngineStats:
         s = self._scheduler
@@ -232,6 +237,8 @@ def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool) -> Any:
     kwargs["logits_processors"] = [_REPLAY_PROCESSOR]
     if spec.pool in ("prefill", "decode"):
         kwargs["kv_transfer_config"] = _kv_transfer_config(spec)
+        # The frontend releases prefill KV no decode leg will pull (worker_extension.py).
+        kwargs["worker_extension_cls"] = _WORKER_EXTENSION
     if engine.step_trace_dir is not None:
         kwargs["scheduler_cls"] = TRACING_SCHEDULER
     kwargs.update(engine.extra_engine_args)
@@ -276,6 +283,9 @@ def _sampling_params(request: GenerateRequest) -> Any:
         extra["kv_transfer_params"] = request.kv_transfer_params
     if request.replay_output_tokens:
         extra[_REPLAY_KEY] = list(request.replay_output_tokens)
+    if request.prior_output_tokens and (s.presence_penalty or s.frequency_penalty):
+        # The penalties count output the client has that sits at the end of the prompt.
+        extra[_PRIOR_KEY] = list(request.prompt_token_ids[-request.prior_output_tokens:])
     return SamplingParams(
         n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
         stop=list(s.stop) or None, presence_penalty=s.presence_penalty,

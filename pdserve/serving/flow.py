@@ -22,12 +22,11 @@
 - a decode leg that never pulled its KV (the engine died, the client left) releases the prefill
   engine's pin at once rather than at the lease's end.
 
-How a leg continues output the client already has (token 1 from the prefill leg, or everything
-streamed before a migration) depends on the sampling: where the outputs only extend the context
-(greedy or unseeded sampling, no penalties, no stop strings) they join the prompt
-(`prior_output_tokens`); otherwise the engine replays them as forced outputs
-(`replay_output_tokens`), so penalties, a seeded generator and a stop string across the join
-come out exactly as on one engine, and the flow drops the replayed part of the leg's deltas.
+How a leg continues output the client already has: a migrated request's new engine replays it
+as forced outputs (`replay_output_tokens`, one step each, as a colocated engine computed them),
+and the flow drops the replayed part of the leg's deltas; the decode leg continues after token 1
+as prompt (`decode_request` says how penalties, stop strings and seeds still come out as on one
+engine).
 
 Every step is booked in the ledger (`leg_started`, `leg_output`, `leg_finished`,
 `request_finished`) with this module's one clock, and the ledger's timing of the finished
@@ -167,7 +166,7 @@ class RequestFlow:
     async def _continued(self, request: GenerateRequest,
                          state: _Running) -> AsyncIterator[GenerateDelta]:
         sent = _Sent()  # what the client has
-        first = None
+        first = join = None
         if state.admission.first_leg is Leg.PREFILL:
             first = await self._prefill(request, state)
         if first is None:  # a local placement, or a failed prefill recomputed where it decodes
@@ -180,11 +179,17 @@ class RequestFlow:
                 state.prefill_params = first.kv_transfer_params
                 state.prefill_engine = state.admission.engine_of(Leg.PREFILL)
             out = _first_for_client(request, first, finished=ends_here)
+            if not ends_here:
+                out = _held_back(out, request.sampling.stop)
             sent.add(out)
             yield out
             if ends_here:
                 return
             leg, leg_request = Leg.DECODE, decode_request(request, first)
+            if not leg_request.replay_output_tokens:
+                # Token 1 is prompt to the decode engine: a stop string that begins in its
+                # held-back text is found here.
+                join = _StopAtJoin(first.text[len(out.text):], request.sampling.stop)
         migrations = 0
         while True:
             replayed = _Replayed(leg_request, sent)
@@ -200,9 +205,16 @@ class RequestFlow:
                         if leg is Leg.DECODE and delta.token_ids:
                             state.pulled = True
                         out = replayed.new_part(delta)
-                        if out is not None:
-                            sent.add(out)
-                            yield out
+                        if out is None:
+                            continue
+                        if leg is Leg.DECODE and join is not None:
+                            out = join.feed(out)
+                            if out is None:
+                                continue
+                        sent.add(out)
+                        yield out
+                        if out.finished:
+                            return  # a stop at the join ends the leg early (closing aborts it)
                 return
             except EngineDiedError as e:
                 self._release_prefill_kv(state)
@@ -391,6 +403,16 @@ class AdmittedStream:
     def __aiter__(self) -> AdmittedStream:
         return self
 
+    @property
+    def engines(self) -> dict[str, str]:
+        """Where the request was placed: {'prefill': replica id (a remote prefill only),
+        'decode': replica id} (response headers, for operators and tests)."""
+        placement = self._admission.placement
+        engines = {"decode": placement.decode}
+        if placement.prefill is not None:
+            engines["prefill"] = placement.prefill
+        return engines
+
     async def __anext__(self) -> GenerateDelta:
         if self._stream is None:
             if self._closed:
@@ -413,13 +435,38 @@ class AdmittedStream:
         self._unstarted()
 
 
-def needs_replay(sampling: SamplingOptions) -> bool:
-    """Whether output the client has must be replayed by the engine that continues a request,
-    rather than joining its prompt: when sampling depends on which tokens are output (penalties,
-    a seeded generator's position) or a stop string may span the join."""
-    seeded = sampling.seed is not None and sampling.temperature > 0
-    return bool(seeded or sampling.stop or sampling.presence_penalty
-                or sampling.frequency_penalty)
+class _StopAtJoin:
+    """Finds a stop string that begins in token 1's held-back text and ends in the decode leg's
+    text, which a decode engine that has token 1 as prompt cannot see. Holds the leg's first
+    deltas until every such match is found or ruled out, then lets everything through."""
+
+    def __init__(self, held: str, stop: tuple[str, ...]) -> None:
+        self._held = held
+        self._stop = stop
+        self._pending: list[GenerateDelta] = []
+        self._done = not held or not stop
+
+    def feed(self, delta: GenerateDelta) -> GenerateDelta | None:
+        """What to send now: None (held), or the held deltas merged, cut at a stop."""
+        if self._done:
+            return delta
+        self._pending.append(delta)
+        text = self._held + "".join(d.text for d in self._pending)
+        starts = [i for i in (text.find(s) for s in self._stop) if 0 <= i < len(self._held)]
+        longest = max(len(s) for s in self._stop)
+        ruled_out = len(text) - len(self._held) >= longest - 1
+        if not starts and not ruled_out and not delta.finished:
+            return None
+        self._done = True
+        tokens = tuple(t for d in self._pending for t in d.token_ids)
+        if starts:
+            return dataclasses.replace(delta, text=text[:min(starts)], token_ids=tokens,
+                                       finish_reason="stop")
+        return dataclasses.replace(delta, text=text, token_ids=tokens)
+
+
+def _seeded(sampling: SamplingOptions) -> bool:
+    return sampling.seed is not None and sampling.temperature > 0
 
 
 def prefill_request(request: GenerateRequest) -> GenerateRequest:
@@ -434,31 +481,48 @@ def prefill_request(request: GenerateRequest) -> GenerateRequest:
 
 def decode_request(request: GenerateRequest, first: GenerateDelta) -> GenerateRequest:
     """The decode leg, under the client's request id (it runs on another engine than the
-    prefill leg): the first token continued (`continue_after`) and the prefill engine
-    connector's transfer parameters (where the KV is)."""
+    prefill leg), with the prefill engine connector's transfer parameters (where the KV is).
+
+    It continues after token 1 as prompt + token 1 with the rest of the budget: the prompt's KV
+    comes from the prefill engine whole and the decode engine computes token 1's position, as
+    a colocated engine's first decode step does, so greedy output is the same token for token.
+    Presence and frequency penalties still count token 1 (`replay.py`'s `pdserve_prior`); a
+    stop string across the join is found by the flow (`_StopAtJoin`). A seeded sampled request
+    replays token 1 instead, so its generator is where a colocated one's would be: the decode
+    engine then computes the prompt's last position itself, numerically close to but not the
+    same as the prefill engine's batched pass (as in vLLM's own disaggregated serving)."""
     params = {k: v for k, v in (first.kv_transfer_params or {}).items() if k != "do_remote_decode"}
     params["do_remote_prefill"] = True
-    return dataclasses.replace(continue_after(request, first.token_ids), leg=Leg.DECODE,
-                               kv_transfer_params=params)
+    if _seeded(request.sampling):
+        continued = dataclasses.replace(request, replay_output_tokens=first.token_ids)
+    else:
+        sampling = dataclasses.replace(request.sampling,
+                                       max_tokens=request.sampling.max_tokens - len(first.token_ids))
+        continued = dataclasses.replace(
+            request, prompt_token_ids=request.prompt_token_ids + first.token_ids,
+            sampling=sampling, prior_output_tokens=len(first.token_ids))
+    return dataclasses.replace(continued, leg=Leg.DECODE, kv_transfer_params=params)
 
 
 def continuation_request(request: GenerateRequest, sent: _Sent, migration: int) -> GenerateRequest:
-    """A migrated request: one `FULL` leg that recomputes the prompt and continues after the
-    tokens the client has. Its id is new (the engine it leaves may still know the old one)."""
-    return dataclasses.replace(continue_after(request, tuple(sent.tokens)),
-                               request_id=f"{request.request_id}-m{migration}", leg=Leg.FULL)
+    """A migrated request: one `FULL` leg that prefills the client's prompt and replays the
+    tokens the client has, one engine step each, as a colocated engine computed them, so the
+    continuation is what one engine would have produced (penalties, seed, stop strings, and
+    greedy output token for token). Its id is new (the engine it leaves may still know the old
+    one)."""
+    return dataclasses.replace(request, request_id=f"{request.request_id}-m{migration}",
+                               leg=Leg.FULL, replay_output_tokens=tuple(sent.tokens))
 
 
-def continue_after(request: GenerateRequest, outputs: tuple[int, ...]) -> GenerateRequest:
-    """`request` continued after `outputs` (already the client's): replayed by the engine
-    (`needs_replay`), or joined to the prompt with the budget reduced."""
-    if needs_replay(request.sampling):
-        return dataclasses.replace(request, replay_output_tokens=outputs)
-    sampling = dataclasses.replace(request.sampling,
-                                   max_tokens=request.sampling.max_tokens - len(outputs))
-    return dataclasses.replace(
-        request, prompt_token_ids=request.prompt_token_ids + outputs, sampling=sampling,
-        prior_output_tokens=request.prior_output_tokens + len(outputs))
+def _held_back(first: GenerateDelta, stop: tuple[str, ...]) -> GenerateDelta:
+    """Token 1's text less what a stop string completed by a later token would cut: the end
+    that vLLM's detokenizer holds back while a stop string may still match (its longest stop
+    string but one character). The decode leg, which replays token 1, emits it if no stop string
+    matches, so the client's text is what one engine would have streamed."""
+    hold = min(len(first.text), max((len(s) for s in stop), default=1) - 1)
+    if hold <= 0:
+        return first
+    return dataclasses.replace(first, text=first.text[:len(first.text) - hold])
 
 
 def _first_for_client(request: GenerateRequest, first: GenerateDelta,

@@ -1,15 +1,1 @@
-"""Fixtures shared by the integration tests: the embedded model, converted once per session
-into the user cache (a fresh machine converts it here; later runs reuse it)."""
-
-from __future__ import annotations
-
-from pathlib import Path
-
-import pytest
-
-
-@pytest.fixture(scope="session")
-def embedded_checkpoint() -> Path:
-    from pdserve.models import ensure_embedded_model
-
-    return ensure_embedded_model()
+"""Integration tests share the session's embedded model (`embedded_checkpoint`, tests/conftest.py)."""

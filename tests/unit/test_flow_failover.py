@@ -13,7 +13,7 @@ from pdserve.errors import EngineDiedError, RequestDeadlineError
 from pdserve.scheduler.ledger import LegStarted, Migrated, RequestLedger
 from pdserve.scheduler.perf_model import PerfModel
 from pdserve.scheduler.routing import RoutingPolicy
-from pdserve.serving.flow import FlowOptions, RequestFlow, _Replayed, _Sent
+from pdserve.serving.flow import FlowOptions, RequestFlow, _Replayed, _Sent, _StopAtJoin
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.testing.inprocess import InProcessChannel
 
@@ -34,8 +34,8 @@ async def engines():
 
 
 def request(max_tokens=8, **sampling):
-    return GenerateRequest("r", (5, 6, 7), SamplingOptions(max_tokens=max_tokens, temperature=0,
-                                                           **sampling))
+    return GenerateRequest("r", (5, 6, 7), SamplingOptions(**{"max_tokens": max_tokens,
+                                                              "temperature": 0, **sampling}))
 
 
 def dies_after(n, stream):
@@ -108,8 +108,9 @@ def text(deltas):
     return "".join(d.text for d in deltas)
 
 
-@pytest.mark.parametrize("sampling", [{}, {"presence_penalty": 0.5}, {"stop": ("never",)}],
-                         ids=["joined-to-prompt", "replayed-penalty", "replayed-stop"])
+@pytest.mark.parametrize("sampling", [{}, {"presence_penalty": 0.5}, {"stop": ("never",)},
+                                      {"seed": 7, "temperature": 0.5}],
+                         ids=["greedy", "penalty", "stop", "seeded"])
 @pytest.mark.parametrize("dies_at", [0, 1, 4])
 async def test_a_decode_engine_dying_mid_stream_migrates_the_request(engines, sampling, dies_at):
     req = request(8, **sampling)
@@ -120,22 +121,28 @@ async def test_a_decode_engine_dying_mid_stream_migrates_the_request(engines, sa
     got = await s.run(req)
     s.ledger.engines["decode", "decode-1"].reserved = 0
     assert tokens(got) == tokens(want) and text(got) == text(want)
-    assert [d.num_output_tokens for d in got] == list(range(1, 9))
+    # One token per delta, counted on; text held back for a stop string may come on its own.
+    assert [d.num_output_tokens for d in got if d.token_ids] == list(range(1, 9))
     assert got[-1].finish_reason == "length"
     assert [e.replica_id for e in s.events if isinstance(e, Migrated)] == ["decode-1"]
     assert s.migrated() == 1
-    rid, continued = s.legs[-1]
-    assert rid == "decode-1" and continued.leg is Leg.FULL
+    decode_leg = s.legs[1][1]
+    seeded = "seed" in sampling
+    if seeded:  # the decode leg replays token 1, so the generator is where one engine's is
+        assert decode_leg.replay_output_tokens == tuple(tokens(want)[:1])
+        assert decode_leg.prompt_token_ids == req.prompt_token_ids
+    else:  # token 1 joins the prompt
+        assert decode_leg.prompt_token_ids == req.prompt_token_ids + tuple(tokens(want)[:1])
+        assert decode_leg.prior_output_tokens == 1 and decode_leg.sampling.max_tokens == 7
     # Token 1 from the prefill leg, then what decode-0 made before dying (its first delta is
     # token 1 again when it replays).
-    sent = 1 + max(dies_at - bool(sampling), 0)
-    if sampling:  # the new engine replays what the client has, from the client's prompt
-        assert continued.replay_output_tokens == tuple(tokens(want)[:sent])
-        assert continued.prompt_token_ids == req.prompt_token_ids
-        assert continued.sampling.max_tokens == 8
-    else:  # it joins the prompt; the budget is what is left
-        assert continued.prompt_token_ids == req.prompt_token_ids + tuple(tokens(want)[:sent])
-        assert continued.sampling.max_tokens == 8 - sent
+    sent = 1 + max(dies_at - seeded, 0)
+    rid, continued = s.legs[-1]
+    assert rid == "decode-1" and continued.leg is Leg.FULL
+    # The new engine prefills the client's prompt and replays what the client has.
+    assert continued.replay_output_tokens == tuple(tokens(want)[:sent])
+    assert continued.prompt_token_ids == req.prompt_token_ids
+    assert continued.sampling.max_tokens == 8 and continued.prior_output_tokens == 0
     s.assert_books_closed()
 
 
@@ -241,3 +248,26 @@ def test_without_replay_nothing_is_dropped():
     replayed = _Replayed(leg, _Sent(tokens=[1, 2], text_chars=4))
     delta = _delta("x", [7], 3)
     assert replayed.new_part(delta) is delta
+
+
+@pytest.mark.parametrize("held, deltas, stop, want", [
+    # "s." begins in token 1's held text "s" and ends in the decode leg's ".": cut before it.
+    ("s", [(". Next", [9])], ("s.",), (("", (9,), "stop"),)),
+    # Held until no stop can begin in the held text any more, then everything, merged.
+    ("ab", [("c", [9]), ("de", [10])], ("bxyz",), (None, ("abcde", (9, 10), None))),
+    # A stop entirely in the decode leg's text is the decode engine's business: passed on.
+    ("a", [("zzzz", [9])], ("zz",), (("azzzz", (9,), None),)),
+    # The leg ends before the check could finish: what there is, as it is.
+    ("ab", [("c", [9], "length")], ("bcdef",), (("abc", (9,), "length"),)),
+])
+def test_a_stop_string_across_the_join_is_found(held, deltas, stop, want):
+    join = _StopAtJoin(held, stop)
+    outs = []
+    for n, d in enumerate(deltas, start=2):
+        out = join.feed(_delta(d[0], d[1], n, d[2] if len(d) > 2 else None))
+        outs.append(None if out is None else (out.text, out.token_ids, out.finish_reason))
+    assert tuple(outs) == want
+    # After the check everything passes unchanged.
+    delta = _delta("more", [11], 9)
+    if outs[-1] is not None and outs[-1][2] is None:
+        assert join.feed(delta) is delta

@@ -290,6 +290,14 @@ class WorkerSide:
                 "release of %s at %s failed", remote.remote_request_id, remote.remote_address, exc_info=True
             )
 
+    def release_pin(self, request_id: str) -> bool:
+        """The frontend says no decode leg will pull this request's KV (it failed, or its
+        client left between the legs): end the pin now rather than at the lease's end. vLLM
+        frees the blocks once `get_finished` reports the request. False if it was not pinned."""
+        if self.source is None:
+            return False
+        return self.source.release(request_id)
+
     def _drop(self, request_id: str) -> None:
         with self._lock:
             self._sends.pop(request_id, None)
