@@ -160,6 +160,10 @@ class EngineActor:
         """End the KV pin of a prefill leg whose decode leg will never pull it."""
         await self._engine.release_kv(kv_transfer_params)
 
+    async def renew_kv(self, kv_transfer_params: dict) -> None:
+        """Restart the lease of that pin: its decode leg still waits for its engine."""
+        await self._engine.renew_kv(kv_transfer_params)
+
     async def shutdown(self) -> None:
         for task in list(self._running.values()):
             task.cancel()

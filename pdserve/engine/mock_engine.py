@@ -112,6 +112,9 @@ class MockEngine:
     async def release_kv(self, kv_transfer_params: dict) -> None:
         pass  # the mock keeps no KV after a prefill leg ends
 
+    async def renew_kv(self, kv_transfer_params: dict) -> None:
+        pass
+
     def _drain_transfer_seconds(self) -> list[float]:
         seconds, self._kv_seconds = self._kv_seconds, []
         return seconds

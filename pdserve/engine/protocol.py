@@ -45,6 +45,11 @@ class Engine(Protocol):
         prefill leg) name, whose decode leg will never pull. Best effort, idempotent."""
         ...
 
+    async def renew_kv(self, kv_transfer_params: dict) -> None:
+        """A prefill engine: restart the lease of that pin (its decode leg still waits for its
+        engine). Best effort."""
+        ...
+
     async def shutdown(self) -> None:
         """Release the engine (subprocesses, memory). Called once, last."""
         ...

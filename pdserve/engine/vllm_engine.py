@@ -155,6 +155,12 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
 
+    async def renew_kv(self, kv_transfer_params: dict) -> None:
+        request_id = kv_transfer_params.get("remote_request_id")
+        if self._llm is None or not request_id or self._spec.pool != "prefill":
+            return
+        await self._llm.collective_rpc("pdserve_renew_kv", args=(request_id,))
+
     @property
     def dead(self) -> bool:
         return self._llm is not None and bool(self._llm.errored)

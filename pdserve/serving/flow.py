@@ -69,6 +69,10 @@ class EngineChannel(Protocol):
         will never pull it). Best effort: the lease frees it anyway."""
         ...
 
+    async def renew_kv(self, kv_transfer_params: dict) -> None:
+        """A prefill engine: restart the lease of that pin (its decode leg still waits)."""
+        ...
+
 
 # (pool, replica id) -> the engine's channel; raises EngineUnavailableError for a gone engine.
 ChannelLookup = Callable[[str, str], EngineChannel]
@@ -85,6 +89,9 @@ class FlowOptions:
     migration_limit: int = 3  # serving.migration_limit
     migration_wait_s: float = 900.0  # longest a migration waits for an engine to start
     request_timeout_s: float | None = None  # api.request_timeout_s
+    # kv.lease_s: a decode leg that waits for its engine renews its prefill pin every third of
+    # it, so a backed-up decode pool does not let leases expire into recomputes. None: never.
+    kv_lease_s: float | None = None
 
 
 class RequestFlow:
@@ -193,6 +200,7 @@ class RequestFlow:
         migrations = 0
         while True:
             replayed = _Replayed(leg_request, sent)
+            renewal = self._keep_pinned(state) if leg is Leg.DECODE else None
             try:
                 async with aclosing(self._leg(leg, leg_request, state)) as deltas:
                     async for delta in deltas:
@@ -217,6 +225,7 @@ class RequestFlow:
                             return  # a stop at the join ends the leg early (closing aborts it)
                 return
             except EngineDiedError as e:
+                _stop(renewal)
                 self._release_prefill_kv(state)
                 if migrations >= self._options.migration_limit:
                     raise
@@ -227,6 +236,8 @@ class RequestFlow:
                 await self._migrate(request, state, sent)
                 leg = Leg.FULL
                 leg_request = continuation_request(request, sent, migrations)
+            finally:
+                _stop(renewal)
 
     async def _prefill(self, request: GenerateRequest, state: _Running) -> GenerateDelta | None:
         """The prefill leg's last delta (its first token), or None to recompute."""
@@ -316,6 +327,25 @@ class RequestFlow:
                                       f"{request.request_id} in time to continue it")
             await asyncio.sleep(_MIGRATION_POLL_S)
 
+    def _keep_pinned(self, state: _Running) -> asyncio.Task[None] | None:
+        """While the decode leg has not pulled, renew its prefill pin's lease (a third of it
+        at a time): the leg may wait behind a full decode batch for longer than the lease."""
+        lease = self._options.kv_lease_s
+        if lease is None or state.prefill_params is None or state.prefill_engine is None:
+            return None
+        return asyncio.get_running_loop().create_task(self._renew(state, lease / 3))
+
+    async def _renew(self, state: _Running, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            params, engine = state.prefill_params, state.prefill_engine
+            if state.pulled or params is None or engine is None:
+                return
+            try:
+                await self._channels(*engine).renew_kv(params)
+            except Exception as e:  # noqa: BLE001 - the lease may still hold; the pull decides
+                logger.warning("could not renew a prefill engine's KV lease: %r", e)
+
     def _release_prefill_kv(self, state: _Running) -> None:
         """Free the prefill engine's pin of a decode leg that did not pull it, once, without
         waiting (the request may be unwinding from a cancellation)."""
@@ -329,6 +359,11 @@ class RequestFlow:
         task = asyncio.get_running_loop().create_task(channel.release_kv(params))
         _releases.add(task)
         task.add_done_callback(_released)
+
+
+def _stop(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
 
 
 # Releases in flight (a task nobody awaits must be referenced until it ends).

@@ -78,6 +78,9 @@ class RayEngineChannel:
     async def release_kv(self, kv_transfer_params: dict) -> None:
         await self._replica.actor.release_kv.remote(kv_transfer_params)
 
+    async def renew_kv(self, kv_transfer_params: dict) -> None:
+        await self._replica.actor.renew_kv.remote(kv_transfer_params)
+
 
 class RayBackend:
     """Serves requests over the engine pools through the request ledger; scales the pools."""
@@ -102,7 +105,8 @@ class RayBackend:
                                         info.num_kv_blocks)
         self.actuator = PoolActuator(pools, config, model, self.ledger, self.metrics, self._info)
         options = FlowOptions(config.kv.failure_policy, config.serving.migration_limit,
-                              config.engine.start_timeout_s, config.api.request_timeout_s)
+                              config.engine.start_timeout_s, config.api.request_timeout_s,
+                              config.kv.lease_s)
         self._flow = RequestFlow(self.ledger, self._channel, options, self.metrics,
                                  self._serving_pool.value,
                                  capacity_coming=self.actuator.capacity_coming)

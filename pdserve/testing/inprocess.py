@@ -35,6 +35,9 @@ class InProcessChannel:
     async def release_kv(self, kv_transfer_params: dict) -> None:
         await self._engine.release_kv(kv_transfer_params)
 
+    async def renew_kv(self, kv_transfer_params: dict) -> None:
+        await self._engine.renew_kv(kv_transfer_params)
+
 
 class InProcessBackend:
     def __init__(self, engines: Sequence[Engine], metrics: ServingMetrics | None = None,

@@ -271,3 +271,29 @@ def test_a_stop_string_across_the_join_is_found(held, deltas, stop, want):
     delta = _delta("more", [11], 9)
     if outs[-1] is not None and outs[-1][2] is None:
         assert join.feed(delta) is delta
+
+
+async def test_a_waiting_decode_leg_renews_its_prefill_lease_until_it_pulls(engines):
+    renewed = []
+
+    class Recording(_Channel):
+        async def renew_kv(self, params):
+            renewed.append(params["remote_engine_id"])
+
+    decode = InProcessChannel(engines["decode-0"]).stream
+
+    async def slow_decode(leg):
+        await asyncio.sleep(0.35)  # waits behind a full batch: about three renewals
+        async for delta in decode(leg):
+            yield delta
+
+    s = Setup(engines, decode=("decode-0",), streams={"decode-0": slow_decode},
+              options=FlowOptions(kv_lease_s=0.3))
+    s.flow._channels = lambda pool, rid: Recording(s.streams[rid])
+    got = await s.run(request(6))
+    assert tokens(got) == tokens(await reference(engines, request(6)))
+    assert 2 <= len(renewed) <= 4 and set(renewed) == {"prefill"}, renewed
+    count = len(renewed)
+    await asyncio.sleep(0.3)
+    assert len(renewed) == count  # no renewal once the leg pulled and the request ended
+    s.assert_books_closed()

@@ -298,6 +298,12 @@ class WorkerSide:
             return False
         return self.source.release(request_id)
 
+    def renew_pin(self, request_id: str) -> bool:
+        """The frontend says a decode leg for this request still waits to be taken by its
+        engine: restart the pin's lease, so a backed-up decode pool does not turn the wait into
+        an expired lease and a recompute. False if it is not pinned."""
+        return self.source is not None and self.source.renew(request_id)
+
     def _drop(self, request_id: str) -> None:
         with self._lock:
             self._sends.pop(request_id, None)

@@ -194,6 +194,11 @@ class BlockSource(ABC):
         """
         return self._pins.release(request_id, ReleaseReason.LOCAL)
 
+    def renew(self, request_id: str) -> bool:
+        """Restarts a live pin's lease (a decode leg still waits for its engine to take it);
+        False if it is not pinned. Never blocks."""
+        return self._pins.renew(request_id, self._lease_s)
+
     def pinned_blocks(self, request_id: str) -> tuple[int, ...] | None:
         """The blocks pinned for a request, or None; for the connector's bookkeeping and tests."""
         return self._pins.blocks(request_id)

@@ -68,6 +68,17 @@ class PinTable:
                 self._reaper.start()
             self._wakeup.notify()
 
+    def renew(self, request_id: str, lease_s: float) -> bool:
+        """Extends a live pin's lease to at least `lease_s` from now; False if it is not pinned
+        (released, expired or never pinned). Never blocks."""
+        with self._wakeup:
+            pin = self._pins.get(request_id)
+            if pin is None or pin.ended_by is not None:
+                return False
+            pin.deadline = max(pin.deadline, time.monotonic() + lease_s)
+            self._wakeup.notify()
+            return True
+
     def blocks(self, request_id: str) -> tuple[int, ...] | None:
         """The pinned blocks of a live pin, in pin order, or None."""
         with self._wakeup:

@@ -93,3 +93,18 @@ def test_once_read_a_pin_is_released_only_by_the_sessions_that_read_it():
     assert pins.release_share("req", ReleaseReason.REMOTE, 1, both, releaser="session-b")
     assert recorder.calls == [("req", ReleaseReason.REMOTE)]
     pins.close()
+
+
+def test_renew_extends_a_live_pin_and_refuses_an_ended_one():
+    recorder = Recorder()
+    pins = PinTable(recorder)
+    pins.pin("req", [1, 2], lease_s=0.2)
+    for _ in range(4):  # renewed past its first lease three times over
+        time.sleep(0.1)
+        assert pins.renew("req", 0.2)
+    assert recorder.calls == [] and pins.blocks("req") == (1, 2)
+    assert recorder.event.wait(2)  # left alone, it expires
+    assert recorder.calls == [("req", ReleaseReason.LEASE_EXPIRED)]
+    assert not pins.renew("req", 0.2)  # nothing to renew once it ended
+    assert not pins.renew("never", 0.2)
+    pins.close()
