@@ -137,7 +137,12 @@ def place(
     tpot = predicted_tpot(best_decode, decode_model)
 
     options: list[Placement] = []
-    prefillers = [p for p in prefill if p.healthy and p.accepting]
+    # A prefill engine holds each prompt's KV until its decode engine has pulled it: one whose
+    # cache is taken by prompts waiting to be pulled (its reported usage counts them) gets no
+    # more, and the decode engine prefills instead.
+    prompt_blocks = RouteRequest(request.prompt_tokens, 0)
+    prefillers = [p for p in prefill if p.healthy and p.accepting
+                  and p.kv_free_blocks >= blocks_needed(prompt_blocks, p.block_size)]
     if prefillers:
         best_prefill = min(prefillers, key=lambda p: (
             predicted_ttft(p, request, prefill_model), p.queued_prefill_tokens, p.replica_id))

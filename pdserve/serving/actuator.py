@@ -45,6 +45,20 @@ logger = logging.getLogger(__name__)
 # How often the frontend asks every engine for stats (api/app.py's poll): a count of missed
 # calls times this is how long an engine has been silent.
 _STATS_PERIOD_S = 1.0
+# How often a starting engine that is not up yet is reported (it may wait for Ray to place it).
+_SLOW_START_REPORT_S = 60.0
+
+
+async def _report_slow_start(replica_id: str) -> None:
+    """Log every minute that an engine is still starting: an engine Ray cannot place waits
+    silently otherwise, until engine.start_timeout_s counts it as failed."""
+    waited = 0.0
+    while True:
+        await asyncio.sleep(_SLOW_START_REPORT_S)
+        waited += _SLOW_START_REPORT_S
+        logger.warning("engine %s is still starting after %.0f s (is there room for it? `ray "
+                       "status` shows pending demands; engine.start_timeout_s ends the wait)",
+                       replica_id, waited)
 
 
 class PoolActuator:
@@ -284,6 +298,7 @@ class PoolActuator:
         self._ledger.engines.add(role.value, replica_id, self._info.block_size,
                                  self._info.num_kv_blocks, ready=False)
         self.publish_pool_sizes()
+        waiting = asyncio.get_running_loop().create_task(_report_slow_start(replica_id))
         try:
             replica.info = (await start_all([replica], self._config.engine.start_timeout_s))[0]
         except BaseException as e:
@@ -295,6 +310,8 @@ class PoolActuator:
             if not isinstance(e, Exception):
                 raise
             return False
+        finally:
+            waiting.cancel()
         self._ledger.engines.mark_ready(role.value, replica_id, replica.info.block_size,
                                         replica.info.num_kv_blocks)
         self._metrics.register_engines([replica.info])

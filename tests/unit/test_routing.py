@@ -143,3 +143,14 @@ def test_colocated_placement_balances_ttft_then_batch():
     assert place_colocated(RouteRequest(10, 10), tied, flat).decode == "c1"
 
 
+
+
+def test_a_prefill_engine_without_kv_room_for_the_prompt_gets_nothing():
+    # p0 is idle but its KV is held by prompts waiting to be pulled (it reports few free
+    # blocks); p1 is busier and has room. A 320-token prompt needs 20 blocks of 16.
+    prefill = [EngineLoad("p0", kv_free_blocks=5), EngineLoad("p1", queued_prefill_tokens=400)]
+    placed = place(RouteRequest(320, 10), prefill, [EngineLoad("d0")], MODEL, MODEL)
+    assert placed.prefill == "p1"
+    # With no prefill engine that has room, the decode engine prefills the prompt itself.
+    placed = place(RouteRequest(320, 10), prefill[:1], [EngineLoad("d0")], MODEL, MODEL)
+    assert placed.prefill is None and placed.decode == "d0"
