@@ -21,16 +21,6 @@ from pdserve.testing import save_tiny_model
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=100 * 1024 * 1024)
-    yield
-    ray.shutdown()
-
-
 def request(rid: str, first: int) -> GenerateRequest:
     # Distinct prompts: a cached prefix would draw both requests to one engine.
     return GenerateRequest(rid, tuple(range(first, first + 40)),

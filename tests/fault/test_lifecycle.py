@@ -232,43 +232,39 @@ def _wait_refusing(server: RunningServer) -> None:
     raise AssertionError("the draining server still serves new connections")
 
 
-@pytest.mark.integration
-def test_sigterm_lets_a_stream_that_fits_the_grace_finish_and_exits_0(tmp_path):
+def _sigterm_during_a_stream(tmp_path, max_tokens: int, *extra: str) -> tuple[list[dict], bool]:
+    """A mock server (50 ms a token) gets SIGTERM while streaming `max_tokens`: its chunks and
+    whether the stream ended, once the process exited 0 and left nothing behind."""
     model = save_tiny_model(tmp_path / "tiny-model")
-    # 160 tokens at 50 ms: an 8 s stream, well within the default 30 s grace.
-    server = serve(mock_args(model, "--mode", "colocated", "--set", "engine.mock.decode_step_s=0.05"),
+    server = serve(mock_args(model, "--mode", "colocated", "--set", "engine.mock.decode_step_s=0.05",
+                             *extra),
                    free_port(), tmp_path / "pdserve.log")
     session = Session.of(server)
     try:
-        chunks, done = _stream_across_sigterm(server, max_tokens=160)
-        assert done and len(chunks) == 160, (len(chunks), server.log_tail())
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        chunks, done = _stream_across_sigterm(server, max_tokens=max_tokens)
         assert server.process.wait(EXIT_WITHIN_S) == 0, server.log_tail()
         session.wait_gone()
         assert port_is_free(server.port)
+        return chunks, done
     finally:
         server.stop()
         session.kill_leftovers()
+
+
+@pytest.mark.integration
+def test_sigterm_lets_a_stream_that_fits_the_grace_finish_and_exits_0(tmp_path):
+    # 160 tokens at 50 ms: an 8 s stream, well within the default 30 s grace.
+    chunks, done = _sigterm_during_a_stream(tmp_path, 160)
+    assert done and len(chunks) == 160, len(chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.integration
 def test_sigterm_cuts_a_stream_past_the_grace_and_still_exits_0(tmp_path):
-    model = save_tiny_model(tmp_path / "tiny-model")
     # 1000 tokens at 50 ms: a 50 s stream against a 1 s grace.
-    server = serve(mock_args(model, "--mode", "colocated", "--set", "engine.mock.decode_step_s=0.05",
-                             "--set", "api.shutdown_grace_s=1"),
-                   free_port(), tmp_path / "pdserve.log")
-    session = Session.of(server)
-    try:
-        chunks, done = _stream_across_sigterm(server, max_tokens=1000)
-        assert not done and len(chunks) < 1000, (len(chunks), server.log_tail())
-        assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
-        assert server.process.wait(EXIT_WITHIN_S) == 0, server.log_tail()
-        session.wait_gone()
-        assert port_is_free(server.port)
-    finally:
-        server.stop()
-        session.kill_leftovers()
+    chunks, done = _sigterm_during_a_stream(tmp_path, 1000, "--set", "api.shutdown_grace_s=1")
+    assert not done and len(chunks) < 1000, len(chunks)
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
 
 
 @pytest.mark.integration

@@ -55,16 +55,6 @@ def simulated_events() -> list[LedgerEvent]:
     return events
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=100 * 1024 * 1024)
-    yield
-    ray.shutdown()
-
-
 async def test_the_simulator_and_the_ray_backend_send_the_ledger_the_same_events(local_ray, tmp_path):
     config = load_config(overrides={
         "mode": "disaggregated", "engine.kind": "mock",
