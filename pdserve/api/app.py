@@ -32,12 +32,10 @@ from pdserve.api.guard import AccessPolicy, HttpGuard, RequestLimits
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.serving import OpenAIServing, PreparedRequest
-from pdserve.serving.backend import EngineBackend
+from pdserve.serving.backend import STATS_INTERVAL_S, EngineBackend
 
 logger = logging.getLogger(__name__)
 
-# How often engine gauges refresh; Prometheus scrapes every 10-15 s, routing wants fresher.
-_STATS_INTERVAL_S = 1.0
 # How often a non-streaming request checks whether its client is still there.
 _DISCONNECT_POLL_S = 0.25
 
@@ -200,7 +198,7 @@ async def _poll_stats(backend: EngineBackend, metrics: ServingMetrics) -> None:
             metrics.update_engines(await backend.refresh_stats(), backend.pools)
         except Exception:
             logger.exception("engine stats poll failed")
-        await asyncio.sleep(_STATS_INTERVAL_S)
+        await asyncio.sleep(STATS_INTERVAL_S)
 
 
 def _install_error_handlers(app: FastAPI, metrics: ServingMetrics) -> None:

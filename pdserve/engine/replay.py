@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 REPLAY_KEY = "pdserve_replay"
 PRIOR_KEY = "pdserve_prior"
+QUALNAME = f"{__name__}:ReplayLogitsProcessor"  # vLLM's logits_processors name form
 
 
 @dataclass(slots=True)

@@ -31,12 +31,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# pdserve.engine.replay's processor, by name: importing it needs vLLM.
-_REPLAY_PROCESSOR = "pdserve.engine.replay:ReplayLogitsProcessor"
-_REPLAY_KEY = "pdserve_replay"
-_PRIOR_KEY = "pdserve_prior"
-_WORKER_EXTENSION = "pdserve.engine.worker_extension.PdserveWorkerExtension"
-
 # Without an explicit size vLLM's CPU backend reserves most of the host's RAM for KV.
 # 1 GiB holds ~23k tokens of SmolLM2-135M in fp32 (182 blocks of 128 tokens).
 _DEFAULT_CPU_KV_BYTES = 1024**3
@@ -156,22 +150,24 @@ class VllmEngine:
         await self._llm.abort(request_id)
 
     async def renew_kv(self, kv_transfer_params: dict) -> None:
-        request_id = kv_transfer_params.get("remote_request_id")
-        if self._llm is None or not request_id or self._spec.pool != "prefill":
-            return
-        await self._llm.collective_rpc("pdserve_renew_kv", args=(request_id,))
+        await self._pin_rpc("pdserve_renew_kv", kv_transfer_params)
 
     @property
     def dead(self) -> bool:
         return self._llm is not None and bool(self._llm.errored)
 
     async def release_kv(self, kv_transfer_params: dict) -> None:
-        # The pin lives in the connector's worker side, in vLLM's worker process(es).
+        await self._pin_rpc("pdserve_release_kv", kv_transfer_params)
+
+    async def _pin_rpc(self, method: str, kv_transfer_params: dict) -> None:
+        """Call `method` of pdserve's worker extension on every rank for the prefill pin these
+        transfer parameters name: the pin lives in the connector's worker side, in vLLM's
+        worker process(es)."""
         request_id = kv_transfer_params.get("remote_request_id")
         if self._llm is None or not request_id or self._spec.pool != "prefill":
             return
-        released = await self._llm.collective_rpc("pdserve_release_kv", args=(request_id,))
-        logger.debug("released the KV of %s: %s", request_id, released)
+        done = await self._llm.collective_rpc(method, args=(request_id,))
+        logger.debug("%s(%s): %s", method, request_id, done)
 
     def stats(self) -> EngineStats:
         s = self._scheduler
@@ -239,12 +235,14 @@ def _engine_args(spec: EngineSpec, model_path: str, on_cpu: bool) -> Any:
         kv_cache_memory_bytes=kv_bytes,
         disable_log_stats=False,  # per-request timings and scheduler stats need it
     )
+    from pdserve.engine import replay, worker_extension
+
     # Continued requests replay the outputs the client has (pdserve/engine/replay.py).
-    kwargs["logits_processors"] = [_REPLAY_PROCESSOR]
+    kwargs["logits_processors"] = [replay.QUALNAME]
     if spec.pool in ("prefill", "decode"):
         kwargs["kv_transfer_config"] = _kv_transfer_config(spec)
         # The frontend releases prefill KV no decode leg will pull (worker_extension.py).
-        kwargs["worker_extension_cls"] = _WORKER_EXTENSION
+        kwargs["worker_extension_cls"] = worker_extension.QUALNAME
     if engine.step_trace_dir is not None:
         kwargs["scheduler_cls"] = TRACING_SCHEDULER
     kwargs.update(engine.extra_engine_args)
@@ -283,15 +281,17 @@ def _node_ip() -> str:
 def _sampling_params(request: GenerateRequest) -> Any:
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+    from pdserve.engine.replay import PRIOR_KEY, REPLAY_KEY
+
     s = request.sampling
     extra: dict[str, Any] = {}
     if request.kv_transfer_params:
         extra["kv_transfer_params"] = request.kv_transfer_params
     if request.replay_output_tokens:
-        extra[_REPLAY_KEY] = list(request.replay_output_tokens)
+        extra[REPLAY_KEY] = list(request.replay_output_tokens)
     if request.prior_output_tokens and (s.presence_penalty or s.frequency_penalty):
         # The penalties count output the client has that sits at the end of the prompt.
-        extra[_PRIOR_KEY] = list(request.prompt_token_ids[-request.prior_output_tokens:])
+        extra[PRIOR_KEY] = list(request.prompt_token_ids[-request.prior_output_tokens:])
     return SamplingParams(
         n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
         stop=list(s.stop) or None, presence_penalty=s.presence_penalty,

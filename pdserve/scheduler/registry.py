@@ -90,6 +90,11 @@ class EngineRecord:
                 and self.stats_misses < STATS_MISSES_UNROUTABLE)
 
     @property
+    def starting(self) -> bool:
+        """Started and not up yet (a dead one is not coming)."""
+        return self.healthy and not self.ready
+
+    @property
     def idle(self) -> bool:
         """Nothing runs, is placed or waits to be pulled here: a draining engine may stop."""
         return (self.num_prefilling == 0 and self.num_decoding == 0 and self.pins == 0

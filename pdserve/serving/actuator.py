@@ -34,6 +34,7 @@ from pdserve.config.schema import PdserveConfig, PoolRole
 from pdserve.engine.types import EngineInfo
 from pdserve.models.embedded import ResolvedModel
 from pdserve.scheduler.ledger import RequestLedger
+from pdserve.serving.backend import STATS_INTERVAL_S
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.slo import SloTargets
 from pdserve.serving.replicas import (
@@ -42,9 +43,6 @@ from pdserve.serving.replicas import (
 
 logger = logging.getLogger(__name__)
 
-# How often the frontend asks every engine for stats (api/app.py's poll): a count of missed
-# calls times this is how long an engine has been silent.
-_STATS_PERIOD_S = 1.0
 # How often a starting engine that is not up yet is reported (it may wait for Ray to place it).
 _SLOW_START_REPORT_S = 60.0
 
@@ -131,7 +129,7 @@ class PoolActuator:
         """Whether an engine of `pool` is starting or about to (a replacement in its back-off)."""
         role = PoolRole(pool)
         return self._pending.get(role, 0) > 0 or any(
-            not e.ready and e.healthy for e in self._ledger.engines.engines(pool))
+            e.starting for e in self._ledger.engines.engines(pool))
 
     def health(self) -> dict[str, Any]:
         """'ready' (every pool at its size), 'degraded' (a pool below its size or crash-looping,
@@ -143,7 +141,7 @@ class PoolActuator:
         for role in self._pools:
             records = self._ledger.engines.engines(role.value)
             serving = sum(1 for e in records if e.accepting)
-            starting = sum(1 for e in records if not e.ready and e.healthy)
+            starting = sum(1 for e in records if e.starting)
             target = self._targets[role]
             crash = self._given_up.get(role)
             pools[role.value] = {"serving": serving, "target": target, "starting": starting,
@@ -175,7 +173,8 @@ class PoolActuator:
                         if record is None or not record.ready or not record.healthy:
                             continue
                         stalled = record.in_flight > 0 and now - record.last_progress > timeout
-                        silent = record.stats_misses * _STATS_PERIOD_S > timeout
+                        # Missed stats polls times their interval: how long it has been silent.
+                        silent = record.stats_misses * STATS_INTERVAL_S > timeout
                         if stalled or silent:
                             self.engine_died(replica, "hung")
                 self.publish_pool_sizes()
@@ -186,14 +185,8 @@ class PoolActuator:
         role = replica.pool
         self._pending[role] += 1
         try:
-            if replica in self._pools[role].replicas:
-                self._pools[role].replicas.remove(replica)
-            self._ledger.remove_engine(role.value, replica.replica_id)
-            if replica.info is not None:
-                self._metrics.forget_engine(replica.info)
             # Killing the actor ends its output stream: its requests fail over now.
-            await kill_all([replica], graceful=False)
-            self.publish_pool_sizes()
+            await self._retire(replica, graceful=False)
             if not replace:
                 return
             self._metrics.engine_restarts.labels(role.value, reason).inc()
@@ -303,10 +296,7 @@ class PoolActuator:
             replica.info = (await start_all([replica], self._config.engine.start_timeout_s))[0]
         except BaseException as e:
             logger.error("engine %s did not start: %r", replica_id, e)
-            self._pools[role].replicas.remove(replica)
-            self._ledger.remove_engine(role.value, replica_id)
-            await kill_all([replica], graceful=False)
-            self.publish_pool_sizes()
+            await self._retire(replica, graceful=False)
             if not isinstance(e, Exception):
                 raise
             return False
@@ -332,13 +322,19 @@ class PoolActuator:
                                replica.replica_id)
                 break
             await asyncio.sleep(0.1)
+        await self._retire(replica, graceful=True)
+        logger.info("engine %s drained and stopped", replica.replica_id)
+
+    async def _retire(self, replica: Replica, graceful: bool) -> None:
+        """Take an engine out of its pool, the books and the metrics, then stop it (its
+        `shutdown()` first when `graceful`: not for a dead, hung or unstarted one)."""
+        role = replica.pool
         if replica in self._pools[role].replicas:
             self._pools[role].replicas.remove(replica)
         self._ledger.remove_engine(role.value, replica.replica_id)
         if replica.info is not None:
             self._metrics.forget_engine(replica.info)
-        await kill_all([replica])
-        logger.info("engine %s drained and stopped", replica.replica_id)
+        await kill_all([replica], graceful=graceful)
         self.publish_pool_sizes()
 
     def publish_pool_sizes(self) -> None:

@@ -15,6 +15,10 @@ from typing import Protocol
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
 from pdserve.serving.metrics import ServingMetrics
 
+# How often the HTTP frontend calls `refresh_stats` (api/app.py): Prometheus scrapes every
+# 10-15 s, routing wants fresher; the supervisor turns missed calls into silent seconds with it.
+STATS_INTERVAL_S = 1.0
+
 
 class EngineBackend(Protocol):
     metrics: ServingMetrics  # request latencies (observed by the flow) and engine gauges

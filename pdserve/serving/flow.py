@@ -96,12 +96,12 @@ class FlowOptions:
 
 class RequestFlow:
     def __init__(self, ledger: RequestLedger, channels: ChannelLookup,
-                 options: FlowOptions | str, metrics: ServingMetrics, serving_pool: str,
+                 options: FlowOptions, metrics: ServingMetrics, serving_pool: str,
                  clock: Callable[[], float] = time.monotonic,
                  capacity_coming: CapacityComing = lambda pool: False) -> None:
         self._ledger = ledger
         self._channels = channels
-        self._options = FlowOptions(options) if isinstance(options, str) else options
+        self._options = options
         self._metrics = metrics
         self._serving_pool = serving_pool
         self._clock = clock
@@ -552,8 +552,9 @@ def continuation_request(request: GenerateRequest, sent: _Sent, migration: int) 
 def _held_back(first: GenerateDelta, stop: tuple[str, ...]) -> GenerateDelta:
     """Token 1's text less what a stop string completed by a later token would cut: the end
     that vLLM's detokenizer holds back while a stop string may still match (its longest stop
-    string but one character). The decode leg, which replays token 1, emits it if no stop string
-    matches, so the client's text is what one engine would have streamed."""
+    string but one character). If no stop string matches, the held text reaches the client after
+    all: through `_StopAtJoin`, or from the decode engine when it replays token 1; so the
+    client's text is what one engine would have streamed."""
     hold = min(len(first.text), max((len(s) for s in stop), default=1) - 1)
     if hold <= 0:
         return first

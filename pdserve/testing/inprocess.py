@@ -16,7 +16,7 @@ from pdserve.errors import EngineUnavailableError
 from pdserve.scheduler.ledger import LedgerEvent, RequestLedger
 from pdserve.scheduler.perf_model import PerfModel
 from pdserve.scheduler.types import COLOCATED
-from pdserve.serving.flow import AdmittedStream, RequestFlow
+from pdserve.serving.flow import AdmittedStream, FlowOptions, RequestFlow
 from pdserve.serving.metrics import ServingMetrics
 
 
@@ -61,7 +61,7 @@ class InProcessBackend:
         for info in self._infos:
             self.ledger.engines.add(COLOCATED, info.replica_id, info.block_size,
                                     info.num_kv_blocks or 1 << 20)
-        self._flow = RequestFlow(self.ledger, self._channel, "recompute", self.metrics, COLOCATED)
+        self._flow = RequestFlow(self.ledger, self._channel, FlowOptions(), self.metrics, COLOCATED)
 
     def engine_infos(self) -> list[EngineInfo]:
         return list(self._infos)

@@ -12,7 +12,7 @@ from pdserve.errors import EngineDiedError, EngineRequestError
 from pdserve.scheduler.ledger import FirstOutput, LegFinished, LegStarted, RequestLedger
 from pdserve.scheduler.perf_model import PerfModel
 from pdserve.scheduler.routing import RoutingPolicy
-from pdserve.serving.flow import RequestFlow
+from pdserve.serving.flow import FlowOptions, RequestFlow
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.testing.inprocess import InProcessChannel
 
@@ -65,7 +65,7 @@ def flow_over(engines, policy="recompute", prefill=None, decode=None, sent=None,
 
     streams = {"prefill": recording(prefill or InProcessChannel(engines["prefill"]).stream),
                "decode": decode or InProcessChannel(engines["decode"]).stream}
-    flow = RequestFlow(ledger, lambda pool, rid: _Channel(streams[rid], released), policy,
+    flow = RequestFlow(ledger, lambda pool, rid: _Channel(streams[rid], released), FlowOptions(policy),
                        ServingMetrics(), "decode")
     return flow, ledger, events
 
