@@ -1,15 +1,17 @@
 """The OpenAI-compatible HTTP frontend (FastAPI).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET
-/v1/models, GET /health (ready / degraded / down, per pool), GET /ready (for load balancers),
-GET /metrics. Every error leaves as an OpenAI-style body with the right
-status; nothing a client sends can take the server down. A client that goes away aborts its
-engine request: streams are cancelled by the server when the connection drops, and
-non-streaming requests are watched for disconnects while they run.
+/v1/models, POST /tokenize and POST /detokenize (vLLM's, `api/tokenization.py`), GET /health
+(ready / degraded / down, per pool), GET /ready (for load balancers), GET /metrics. Every
+error leaves as an OpenAI-style body with the right status; nothing a client sends can take the
+server down. A client that goes away aborts its engine request: streams are cancelled by the
+server when the connection drops, and non-streaming requests are watched for disconnects while
+they run.
 
-Every request first passes `api/guard.py` (API keys, body limit). Lifecycle: `build_app()` wires a backend in; the app's lifespan runs one background task that
-polls engine stats into the gauges, and cancels it on exit. The backend itself is owned (and
-shut down) by whoever built it (`pdserve.service`).
+Every request first passes `api/guard.py` (API keys, body limit; /tokenize and /detokenize need
+the key as /v1/... does). Lifecycle: `build_app()` wires a backend in; the app's lifespan runs
+one background task that polls engine stats into the gauges, and cancels it on exit. The backend
+itself is owned (and shut down) by whoever built it (`pdserve.service`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from pdserve.api.guard import AccessPolicy, HttpGuard, RequestLimits
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.serving import OpenAIServing, PreparedRequest
+from pdserve.api.tokenization import (
+    DetokenizeRequest, Tokenization, TokenizeRequest, keyed_tokenizer_routes,
+)
 from pdserve.serving.backend import STATS_INTERVAL_S, EngineBackend
 
 logger = logging.getLogger(__name__)
@@ -47,6 +52,7 @@ def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
     # The backend's metrics: its request flow observes each request as the ledger timed it.
     metrics = backend.metrics
     serving = OpenAIServing(backend, tokenizer, served_name, default_max_tokens)
+    tokenization = Tokenization(tokenizer, served_name, lambda: serving.max_model_len)
     admission = _Admission(max_queued_requests)
 
     @contextlib.asynccontextmanager
@@ -63,7 +69,8 @@ def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
     app.state.metrics = metrics
     _install_error_handlers(app, metrics)
     # Keys and the body limit are checked before routing and before any body is parsed.
-    app.add_middleware(HttpGuard, policy=access or AccessPolicy(), limits=limits or RequestLimits(),
+    app.add_middleware(HttpGuard, policy=keyed_tokenizer_routes(access or AccessPolicy()),
+                       limits=limits or RequestLimits(),
                        on_refusal=lambda status: metrics.rejected.labels(str(status)).inc())
 
     async def admitted(prepare: Callable[[], Awaitable[PreparedRequest]],
@@ -90,6 +97,14 @@ def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
         card = {"id": served_name, "object": "model", "created": int(time.time()),
                 "owned_by": "pdserve", "max_model_len": serving.max_model_len}
         return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await tokenization.detokenize(body)
 
     @app.get("/health")
     async def health() -> Response:
