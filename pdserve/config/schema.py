@@ -368,6 +368,14 @@ class ApiConfig(_Section):
     default_max_tokens: int | None = Field(
         None, ge=1, description="max_tokens when a request omits it; default: the context left."
     )
+    tool_call_parser: str | None = Field(
+        None, description="Name of a vLLM tool parser (vLLM's --tool-call-parser: 'hermes', "
+        "'llama3_json', 'pythonic', ...) that reads tool calls out of the model's output; it "
+        "enables tool_choice 'auto', 'required' and named tools on /v1/chat/completions, like "
+        "vllm serve --enable-auto-tool-choice --tool-call-parser NAME. An unknown name, or a "
+        "parser the model's tokenizer lacks tokens for, stops the server at startup. None: "
+        "requests with tools are served only with tool_choice 'none'.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     keep_alive_s: int = Field(
         75, ge=1, description="Seconds an idle client connection stays open. Longer than the idle "
