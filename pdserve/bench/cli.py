@@ -6,7 +6,8 @@ and defaults (`--base-url`, `--endpoint`, `--model`, `--tokenizer`, `--dataset-n
 `--num-prompts`, `--request-rate`, `--burstiness`, `--max-concurrency`, `--goodput`, `--save-result`, ...),
 so a vllm command line works after swapping the program name. Differences: `--percentile-metrics`
 defaults to all four latency metrics and `--metric-percentiles` to "90,99"; synthetic and trace datasets
-default to `--ignore-eos` (vllm does this for random) and `--no-ignore-eos` turns it off.
+default to `--ignore-eos` (vllm does this for random) and `--no-ignore-eos` turns it off; without
+`--tokenizer`, the embedded model's served name finds the embedded checkpoint's tokenizer (tokenizer.py).
 
 `tune` is the one command that starts servers itself: for each candidate deployment and engine knobs
 (tune.py) it starts `pdserve serve`, runs a goodput search against it and stops it (service.py); it writes
@@ -61,7 +62,7 @@ from pdserve.bench.sweep import (
     search_goodput,
     sweep_rates,
 )
-from pdserve.bench.tokenizer import HFTokenizer, load_tokenizer
+from pdserve.bench.tokenizer import HFTokenizer, find_tokenizer
 from pdserve.bench.tune import (
     Candidate,
     Probe,
@@ -212,7 +213,10 @@ async def _prepare(
 ) -> tuple[RunConfig, HFTokenizer]:
     """The run's config and tokenizer; each run then builds its requests (`_workload`)."""
     model = await _resolve_model(args, base_url)
-    tokenizer = load_tokenizer(args.tokenizer or model, trust_remote_code=args.trust_remote_code)
+    tokenizer = await find_tokenizer(model, base_url, explicit=args.tokenizer, api_key=args.api_key,
+                                     trust_remote_code=args.trust_remote_code)
+    if not args.tokenizer and tokenizer.name != model:
+        print(f"Tokenizer for {model}: {tokenizer.name}")
     return _run_config(args, base_url, model, label, tokenizer.name), tokenizer
 
 

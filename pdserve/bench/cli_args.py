@@ -142,7 +142,10 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--dataset-path", default=None, help="Mooncake JSONL trace (mooncake only)")
     group.add_argument(
-        "--tokenizer", default=None, help="local tokenizer directory (default: --model), loaded offline"
+        "--tokenizer",
+        default=None,
+        help="local tokenizer directory or cached hub id, loaded offline (default: --model's own; the "
+        "embedded checkpoint for the embedded model's name; else the path the server reports)",
     )
     group.add_argument("--trust-remote-code", action="store_true")
     group.add_argument(
