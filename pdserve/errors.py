@@ -30,6 +30,12 @@ class EngineRequestError(PdserveError):
     """An engine failed while serving one request (actor died, engine raised)."""
 
 
+class EngineRejectedRequestError(EngineRequestError):
+    """The engine refused the request's input before running it (vLLM's validation: a grammar
+    that does not compile, a token id outside the vocabulary): the client's error (HTTP 400),
+    with the engine's message, which names the field and says what is wrong."""
+
+
 class EngineDiedError(EngineRequestError):
     """The engine died or hung under a request: not the request's fault, so another engine may
     run it (recompute a prefill, migrate a decode). A failure the request itself caused (the

@@ -121,6 +121,12 @@ class EngineActor:
             if dead:
                 logger.error("request %s lost: engine %s is dead (%r)", rid,
                              self._spec.replica_id, e)
+            elif _refused_input(e) and outputs == 0:
+                # vLLM validates a request's input when it is submitted: the client sent
+                # something this engine cannot run.
+                logger.info("request %s refused by engine %s: %s", rid, self._spec.replica_id, e)
+                failure = GenerateFailure(rid, str(e), rejected=True)
+                return
             else:
                 logger.exception("request %s failed in engine %s", rid, self._spec.replica_id)
             failure = GenerateFailure(rid, repr(e), engine_dead=dead)
@@ -182,3 +188,10 @@ def _node_ip() -> str:
         return ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001 - informational only
         return ""
+
+
+def _refused_input(error: Exception) -> bool:
+    """Whether vLLM refused a request's input: its client-error family (vLLM >= 0.30,
+    `VLLMClientError`, 4xx in its own server), or the ValueError earlier versions raise."""
+    return isinstance(error, ValueError) or any(
+        cls.__name__ == "VLLMClientError" for cls in type(error).__mro__)

@@ -25,7 +25,9 @@ from pathlib import Path
 from pdserve.config.schema import MockEngineConfig
 from pdserve.engine.spec import EngineSpec
 from pdserve.engine.step_trace import Step, StepTraceWriter
-from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest, Leg
+from pdserve.engine.types import (
+    EngineInfo, EngineStats, GenerateDelta, GenerateRequest, Leg, PositionLogprobs, TokenLogprob,
+)
 
 # Token id the mock treats as end-of-sequence (never produced unless asked for).
 _VOCAB_SIZE = 32000
@@ -201,12 +203,20 @@ class MockEngine:
         return (base * 31 + position * 7) % _VOCAB_SIZE
 
     def _delta(self, state: _Running, ids: tuple[int, ...], text: str, finish: str | None) -> GenerateDelta:
+        sampling = state.request.sampling
+        first = len(state.output) == len(ids)
         return GenerateDelta(
             request_id=state.request.request_id, text=text, token_ids=ids,
             num_prompt_tokens=state.request.client_prompt_tokens,
             num_output_tokens=len(state.output) + state.request.prior_output_tokens,
             finish_reason=finish,
             kv_transfer_params=self._transfer_params(state) if finish else None,
+            logprobs=(None if sampling.logprobs is None
+                      else tuple(_mock_position(t, sampling.logprobs) for t in ids)),
+            prompt_logprobs=(
+                (None, *(_mock_position(t, sampling.prompt_logprobs)
+                         for t in state.request.prompt_token_ids[1:]))
+                if first and sampling.prompt_logprobs is not None else None),
         )
 
     def _transfer_params(self, state: _Running) -> dict | None:
@@ -231,3 +241,12 @@ class MockEngine:
         if not state.finished:
             self._aborted_total += 1
 
+
+def _mock_position(token: int, alternatives: int) -> PositionLogprobs:
+    """Made-up logprobs of one position, a function of the token: the token itself, then
+    `alternatives` others (vLLM's order). Only their shape means anything."""
+    chosen = TokenLogprob(token, -0.25 - (token % 5) / 10, 1 + token % 3, f" t{token}")
+    others = tuple(TokenLogprob((token + 1 + j) % _VOCAB_SIZE, -1.0 - j, 2 + j,
+                                f" t{(token + 1 + j) % _VOCAB_SIZE}")
+                   for j in range(max(alternatives, 0)))
+    return (chosen, *others)

@@ -21,14 +21,66 @@ class Leg(Enum):
 
 @dataclass(frozen=True, slots=True)
 class SamplingOptions:
+    """What the client asked of the sampling, as vLLM's `SamplingParams` takes it (same names,
+    same defaults). `vllm_engine._sampling_params` turns it into vLLM's object on the engine."""
+
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: all tokens (vLLM also takes -1)
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Per generated token: its logprob and this many alternatives (0: the token's alone; -1:
+    # the whole vocabulary). None: no logprobs.
+    logprobs: int | None = None
+    # The same for every prompt token (vLLM's extension; the completions `echo` uses it).
+    prompt_logprobs: int | None = None
+    # A constraint on the output, as vLLM's `StructuredOutputsParams` fields: exactly one of
+    # "json" (a JSON schema), "json_object", "regex", "choice", "grammar", "structural_tag",
+    # plus its options ("disable_any_whitespace", "disable_additional_properties",
+    # "whitespace_pattern"). Plain JSON values only.
+    structured_output: dict[str, Any] | None = None
+
+    @property
+    def constrains_output_history(self) -> bool:
+        """Whether what the engine may sample depends on the request's earlier outputs in a way
+        that output moved into the prompt would not reproduce: a grammar's state, a multi-token
+        bad word, a seeded generator (it advances once per sampled token), or presence and
+        frequency penalties under a repetition penalty (vLLM applies the latter after logits
+        processors, so `pdserve_prior`'s adjustment would come first and differ)."""
+        return (self.structured_output is not None or bool(self.bad_words)
+                or (self.seed is not None and self.temperature > 0)
+                or (self.repetition_penalty != 1.0
+                    and bool(self.presence_penalty or self.frequency_penalty)))
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One candidate token at one position: its id, logprob (raw: before any penalty,
+    temperature or constraint, as vLLM reports them), rank in the vocabulary, and text."""
+
+    token_id: int
+    logprob: float
+    rank: int | None
+    text: str
+
+
+# One position's logprobs as vLLM orders them: the chosen token first, then the top
+# alternatives by rank (the chosen one once if it is among them).
+PositionLogprobs = tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +120,14 @@ class GenerateDelta:
     num_output_tokens: int  # cumulative
     finish_reason: str | None = None  # "stop", "length", "abort"; None while running
     kv_transfer_params: dict[str, Any] | None = None
+    # One entry per token of `token_ids` when the request asked for logprobs.
+    logprobs: tuple[PositionLogprobs, ...] | None = None
+    # The prompt's, once, on a leg's first delta (None for position 0, which has no logprob),
+    # when the request asked for them.
+    prompt_logprobs: tuple[PositionLogprobs | None, ...] | None = None
+    # What ended the request when it stopped on a stop string or stop token: that string or
+    # token id (vLLM's `stop_reason`); None for EOS, a length limit, or while running.
+    stop_reason: int | str | None = None
 
     @property
     def finished(self) -> bool:
@@ -123,3 +183,6 @@ class GenerateFailure:
     # The engine itself is dead (vLLM's engine core exited): every request on it fails, and
     # another engine may run them; False: this request alone failed.
     engine_dead: bool = False
+    # The engine refused the request's input (a ValueError from vLLM's input validation);
+    # `error` is then its message, meant for the client.
+    rejected: bool = False

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.tracing_scheduler import QUALNAME as TRACING_SCHEDULER
 from pdserve.engine.tracing_scheduler import trace_environment
-from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateRequest
+from pdserve.engine.types import (
+    EngineInfo, EngineStats, GenerateDelta, GenerateRequest, PositionLogprobs, TokenLogprob,
+)
 
 if TYPE_CHECKING:
     from pdserve.engine.spec import EngineSpec
@@ -137,6 +139,9 @@ class VllmEngine:
                     num_output_tokens=produced + request.prior_output_tokens,
                     finish_reason=finish_reason,
                     kv_transfer_params=getattr(out, "kv_transfer_params", None),
+                    logprobs=_logprobs(completion.logprobs),
+                    prompt_logprobs=_prompt_logprobs(out.prompt_logprobs),
+                    stop_reason=completion.stop_reason,
                 )
         finally:
             # AsyncLLM aborts a request whose generator is closed early; an explicit abort
@@ -279,7 +284,7 @@ def _node_ip() -> str:
 
 
 def _sampling_params(request: GenerateRequest) -> Any:
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     from pdserve.engine.replay import PRIOR_KEY, REPLAY_KEY
 
@@ -292,9 +297,38 @@ def _sampling_params(request: GenerateRequest) -> Any:
     if request.prior_output_tokens and (s.presence_penalty or s.frequency_penalty):
         # The penalties count output the client has that sits at the end of the prompt.
         extra[PRIOR_KEY] = list(request.prompt_token_ids[-request.prior_output_tokens:])
+    structured = (StructuredOutputsParams(**s.structured_output)
+                  if s.structured_output is not None else None)
     return SamplingParams(
-        n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-        stop=list(s.stop) or None, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, ignore_eos=s.ignore_eos,
+        n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        min_p=s.min_p, seed=s.seed, stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty, min_tokens=s.min_tokens,
+        logit_bias=dict(s.logit_bias) or None,
+        allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids is not None else None,
+        bad_words=list(s.bad_words) or None, ignore_eos=s.ignore_eos,
+        skip_special_tokens=s.skip_special_tokens,
+        spaces_between_special_tokens=s.spaces_between_special_tokens,
+        logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs, structured_outputs=structured,
         output_kind=RequestOutputKind.DELTA, extra_args=extra or None,
     )
+
+
+def _position(candidates: Any) -> PositionLogprobs:
+    """vLLM's {token id: Logprob} of one position, in its order (the chosen token first)."""
+    return tuple(TokenLogprob(int(token_id), float(lp.logprob), lp.rank, lp.decoded_token or "")
+                 for token_id, lp in candidates.items())
+
+
+def _logprobs(positions: Any) -> tuple[PositionLogprobs, ...] | None:
+    if positions is None:
+        return None
+    return tuple(_position(p) for p in positions)
+
+
+def _prompt_logprobs(positions: Any) -> tuple[PositionLogprobs | None, ...] | None:
+    if not positions:  # None, or already sent with an earlier delta
+        return None
+    return tuple(None if p is None else _position(p) for p in positions)

@@ -187,16 +187,15 @@ class RequestFlow:
                 state.prefill_engine = state.admission.engine_of(Leg.PREFILL)
             out = _first_for_client(request, first, finished=ends_here)
             if not ends_here:
-                out = _held_back(out, request.sampling.stop)
+                out = _held_back(out, request.sampling)
             sent.add(out)
             yield out
             if ends_here:
                 return
             leg, leg_request = Leg.DECODE, decode_request(request, first)
-            if not leg_request.replay_output_tokens:
-                # Token 1 is prompt to the decode engine: a stop string that begins in its
-                # held-back text is found here.
-                join = _StopAtJoin(first.text[len(out.text):], request.sampling.stop)
+            if not leg_request.replay_output_tokens and request.sampling.stop:
+                # Token 1 is prompt to the decode engine: the stop strings are checked here.
+                join = _StopStrings(first.text, len(out.text), request.sampling)
         migrations = 0
         while True:
             replayed = _Replayed(leg_request, sent)
@@ -217,12 +216,10 @@ class RequestFlow:
                             continue
                         if leg is Leg.DECODE and join is not None:
                             out = join.feed(out)
-                            if out is None:
-                                continue
                         sent.add(out)
                         yield out
                         if out.finished:
-                            return  # a stop at the join ends the leg early (closing aborts it)
+                            return  # a stop found here ends the leg early (closing aborts it)
                 return
             except EngineDiedError as e:
                 _stop(renewal)
@@ -253,7 +250,7 @@ class RequestFlow:
             logger.warning("prefill of %s failed (%s); recomputing on the decode engine",
                            request.request_id, e)
             return None
-        first = deltas[-1] if deltas else None
+        first = _merged(deltas)
         if first is None or not first.token_ids or first.finish_reason == "abort":
             raise EngineRequestError(f"prefill of {request.request_id} produced no token")
         return first
@@ -390,14 +387,17 @@ class _Running:
 
 @dataclass(slots=True)
 class _Sent:
-    """The output the client has: token ids and text."""
+    """The output the client has: token ids and text, and whether it has the prompt's
+    logprobs (a leg that continues the request then does not ask for them again)."""
 
     tokens: list[int] = field(default_factory=list)
     text_chars: int = 0
+    prompt_logprobs: bool = False
 
     def add(self, delta: GenerateDelta) -> None:
         self.tokens.extend(delta.token_ids)
         self.text_chars += len(delta.text)
+        self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs is not None
 
 
 class _Replayed:
@@ -421,7 +421,8 @@ class _Replayed:
         text = delta.text[drop_chars:]
         if not token_ids and not text and not delta.finished:
             return None
-        return dataclasses.replace(delta, token_ids=token_ids, text=text)
+        logprobs = None if delta.logprobs is None else delta.logprobs[drop_tokens:]
+        return dataclasses.replace(delta, token_ids=token_ids, text=text, logprobs=logprobs)
 
 
 class AdmittedStream:
@@ -470,43 +471,80 @@ class AdmittedStream:
         self._unstarted()
 
 
-class _StopAtJoin:
-    """Finds a stop string that begins in token 1's held-back text and ends in the decode leg's
-    text, which a decode engine that has token 1 as prompt cannot see. Holds the leg's first
-    deltas until every such match is found or ruled out, then lets everything through."""
+class _StopStrings:
+    """The stop strings of a decode leg that continues after token 1, checked here exactly as
+    vLLM's detokenizer checks them on one engine (`IncrementalDetokenizer.update`,
+    `check_stop_strings`): the decode engine has token 1 as prompt, so it could not see a stop
+    string that begins in token 1's text, and its own hold-back would blur which token
+    completed a stop. The leg therefore runs without stop strings (its text arrives token by
+    token, never held back), and this holds back the end a stop string may still claim (its
+    longest but one character; nothing with `include_stop_str_in_output`), finds a stop once
+    the output holds more than `min_tokens` tokens, cuts the text there and ends the request."""
 
-    def __init__(self, held: str, stop: tuple[str, ...]) -> None:
-        self._held = held
-        self._stop = stop
-        self._pending: list[GenerateDelta] = []
-        self._done = not held or not stop
+    def __init__(self, first_text: str, first_sent: int, sampling: SamplingOptions) -> None:
+        self._stop = sampling.stop
+        self._include = sampling.include_stop_str_in_output
+        self._min_tokens = sampling.min_tokens
+        self._hold = 0 if self._include else max(len(s) for s in self._stop) - 1
+        self._text = first_text  # the output's text: token 1's, then the leg's
+        self._sent = first_sent  # how much of it the client has
+        self._tokens = 1
 
-    def feed(self, delta: GenerateDelta) -> GenerateDelta | None:
-        """What to send now: None (held), or the held deltas merged, cut at a stop."""
-        if self._done:
-            return delta
-        self._pending.append(delta)
-        text = self._held + "".join(d.text for d in self._pending)
-        starts = [i for i in (text.find(s) for s in self._stop) if 0 <= i < len(self._held)]
-        longest = max(len(s) for s in self._stop)
-        ruled_out = len(text) - len(self._held) >= longest - 1
-        if not starts and not ruled_out and not delta.finished:
-            return None
-        self._done = True
-        tokens = tuple(t for d in self._pending for t in d.token_ids)
-        if starts:
-            return dataclasses.replace(delta, text=text[:min(starts)], token_ids=tokens,
-                                       finish_reason="stop")
-        return dataclasses.replace(delta, text=text, token_ids=tokens)
+    def feed(self, delta: GenerateDelta) -> GenerateDelta:
+        """The delta as the client gets it: its text less what is held back, or cut at a stop
+        (then finished with that stop as its reason)."""
+        new_from = len(self._text)
+        self._text += delta.text
+        self._tokens += len(delta.token_ids)
+        found = None
+        if self._tokens > self._min_tokens:
+            found = _find_stop(self._text, len(self._text) - new_from, self._stop, self._include)
+        if found is not None:
+            stop, cut = found
+            self._text = self._text[:cut]
+            delta = dataclasses.replace(delta, finish_reason="stop", stop_reason=stop)
+        end = len(self._text) if delta.finished else max(self._sent, len(self._text) - self._hold)
+        text, self._sent = self._text[self._sent:end], max(self._sent, end)
+        return dataclasses.replace(delta, text=text)
 
 
-def _seeded(sampling: SamplingOptions) -> bool:
-    return sampling.seed is not None and sampling.temperature > 0
+def _find_stop(text: str, new_chars: int, stops: tuple[str, ...],
+               include: bool) -> tuple[str, int] | None:
+    """vLLM's `check_stop_strings`: the stop string that completes earliest in the last
+    `new_chars` characters of `text` (ties in list order), and where the text ends: before it,
+    or after it with `include`."""
+    best: tuple[str, int, int] | None = None  # (stop, start, end)
+    for stop in stops:
+        at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+        if at >= 0 and (best is None or at + len(stop) < best[2]):
+            best = (stop, at, at + len(stop))
+    if best is None:
+        return None
+    stop, at, end = best
+    return stop, (end if include else at)
+
+
+def _merged(deltas: list[GenerateDelta]) -> GenerateDelta | None:
+    """Consecutive deltas of one leg as one: the last's state, every token, text and logprob."""
+    if not deltas:
+        return None
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    logprobs = (None if any(d.logprobs is None for d in deltas)
+                else tuple(p for d in deltas for p in d.logprobs))
+    prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+    return dataclasses.replace(
+        last, text="".join(d.text for d in deltas),
+        token_ids=tuple(t for d in deltas for t in d.token_ids), logprobs=logprobs,
+        prompt_logprobs=prompt)
 
 
 def prefill_request(request: GenerateRequest) -> GenerateRequest:
-    """The prefill leg: one token; keep the blocks for a decode leg if one will follow."""
-    sampling = dataclasses.replace(request.sampling, max_tokens=1)
+    """The prefill leg: one token; keep the blocks for a decode leg if one will follow. It
+    computes the whole prompt, so the prompt's logprobs (when asked) come from it."""
+    sampling = dataclasses.replace(request.sampling, max_tokens=1,
+                                   min_tokens=min(request.sampling.min_tokens, 1))
     decode_follows = request.sampling.max_tokens > 1
     return dataclasses.replace(
         request, request_id=f"{request.request_id}-p", sampling=sampling, leg=Leg.PREFILL,
@@ -521,21 +559,30 @@ def decode_request(request: GenerateRequest, first: GenerateDelta) -> GenerateRe
     It continues after token 1 as prompt + token 1 with the rest of the budget: the prompt's KV
     comes from the prefill engine whole and the decode engine computes token 1's position, as
     a colocated engine's first decode step does, so greedy output is the same token for token.
-    Presence and frequency penalties still count token 1 (`replay.py`'s `pdserve_prior`); a
-    stop string across the join is found by the flow (`_StopAtJoin`). A seeded sampled request
-    replays token 1 instead, so its generator is where a colocated one's would be: the decode
-    engine then computes the prompt's last position itself, numerically close to but not the
-    same as the prefill engine's batched pass (as in vLLM's own disaggregated serving)."""
+    What counts output tokens is shifted by token 1: presence and frequency penalties still
+    count it (`replay.py`'s `pdserve_prior`), `min_tokens` is one less, the stop strings are
+    checked by the flow (`_StopStrings`); the repetition penalty, `logit_bias`, stop token
+    ids and the logprobs (raw, before any penalty) need nothing. A request whose sampling
+    depends on its output history in a way the prompt cannot carry (a grammar, bad words, a
+    seeded generator; `SamplingOptions.constrains_output_history`) replays token 1 instead, so
+    that state is where a colocated engine's would be: the decode engine then computes the
+    prompt's last position itself, numerically close to but not the same as the prefill
+    engine's batched pass (as in vLLM's own disaggregated serving). The prompt's logprobs came
+    with token 1."""
     params = {k: v for k, v in (first.kv_transfer_params or {}).items() if k != "do_remote_decode"}
     params["do_remote_prefill"] = True
-    if _seeded(request.sampling):
-        continued = dataclasses.replace(request, replay_output_tokens=first.token_ids)
+    s = dataclasses.replace(request.sampling, prompt_logprobs=None)
+    if s.constrains_output_history:
+        continued = dataclasses.replace(request, sampling=s, replay_output_tokens=first.token_ids)
     else:
-        sampling = dataclasses.replace(request.sampling,
-                                       max_tokens=request.sampling.max_tokens - len(first.token_ids))
+        n = len(first.token_ids)
+        # The flow checks the stop strings (`_StopStrings`): the engine could not see one that
+        # begins in token 1.
+        sampling = dataclasses.replace(s, max_tokens=s.max_tokens - n,
+                                       min_tokens=max(0, s.min_tokens - n), stop=())
         continued = dataclasses.replace(
             request, prompt_token_ids=request.prompt_token_ids + first.token_ids,
-            sampling=sampling, prior_output_tokens=len(first.token_ids))
+            sampling=sampling, prior_output_tokens=n)
     return dataclasses.replace(continued, leg=Leg.DECODE, kv_transfer_params=params)
 
 
@@ -545,17 +592,24 @@ def continuation_request(request: GenerateRequest, sent: _Sent, migration: int) 
     continuation is what one engine would have produced (penalties, seed, stop strings, and
     greedy output token for token). Its id is new (the engine it leaves may still know the old
     one)."""
+    sampling = request.sampling
+    if sent.prompt_logprobs:
+        sampling = dataclasses.replace(sampling, prompt_logprobs=None)
     return dataclasses.replace(request, request_id=f"{request.request_id}-m{migration}",
-                               leg=Leg.FULL, replay_output_tokens=tuple(sent.tokens))
+                               leg=Leg.FULL, sampling=sampling,
+                               replay_output_tokens=tuple(sent.tokens))
 
 
-def _held_back(first: GenerateDelta, stop: tuple[str, ...]) -> GenerateDelta:
+def _held_back(first: GenerateDelta, sampling: SamplingOptions) -> GenerateDelta:
     """Token 1's text less what a stop string completed by a later token would cut: the end
     that vLLM's detokenizer holds back while a stop string may still match (its longest stop
-    string but one character). If no stop string matches, the held text reaches the client after
-    all: through `_StopAtJoin`, or from the decode engine when it replays token 1; so the
-    client's text is what one engine would have streamed."""
-    hold = min(len(first.text), max((len(s) for s in stop), default=1) - 1)
+    string but one character; nothing with `include_stop_str_in_output`). If no stop string
+    matches, the held text reaches the client after all: through `_StopStrings`, or from the
+    decode engine when it replays token 1; so the client's text is what one engine would have
+    streamed."""
+    if sampling.include_stop_str_in_output:
+        return first
+    hold = min(len(first.text), max((len(s) for s in sampling.stop), default=1) - 1)
     if hold <= 0:
         return first
     return dataclasses.replace(first, text=first.text[:len(first.text) - hold])

@@ -20,7 +20,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from pdserve.config.schema import PdserveConfig, PoolRole, ServingMode
 from pdserve.engine.types import EngineInfo, EngineStats, GenerateDelta, GenerateFailure, GenerateRequest
-from pdserve.errors import EngineDiedError, EngineRequestError, EngineUnavailableError
+from pdserve.errors import (
+    EngineDiedError, EngineRejectedRequestError, EngineRequestError, EngineUnavailableError,
+)
 from pdserve.models.embedded import ResolvedModel
 from pdserve.scheduler.ledger import LedgerEvent, RequestLedger, ledger_from_config
 from pdserve.serving.actuator import PoolActuator
@@ -217,6 +219,8 @@ def _delta_or_raise(replica: Replica, output: GenerateDelta | GenerateFailure | 
     if isinstance(output, GenerateFailure):
         if output.engine_dead:
             raise _EngineDead(f"engine {replica.replica_id}'s engine core died: {output.error}")
+        if output.rejected:
+            raise EngineRejectedRequestError(output.error)
         if output.error:
             raise EngineRequestError(f"engine {replica.replica_id} failed: {output.error}")
         raise EngineRequestError(f"engine {replica.replica_id} ended a stream unfinished")

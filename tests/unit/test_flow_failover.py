@@ -3,6 +3,7 @@ another engine and its client sees one stream, equal to an undisturbed run; repl
 dropped exactly; limits, waits and deadlines end a request with a clear error and closed books."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -13,7 +14,7 @@ from pdserve.errors import EngineDiedError, RequestDeadlineError
 from pdserve.scheduler.ledger import LegStarted, Migrated, RequestLedger
 from pdserve.scheduler.perf_model import PerfModel
 from pdserve.scheduler.routing import RoutingPolicy
-from pdserve.serving.flow import FlowOptions, RequestFlow, _Replayed, _Sent, _StopAtJoin
+from pdserve.serving.flow import FlowOptions, RequestFlow, _Replayed, _Sent, _StopStrings
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.testing.inprocess import InProcessChannel
 
@@ -250,27 +251,51 @@ def test_without_replay_nothing_is_dropped():
     assert replayed.new_part(delta) is delta
 
 
-@pytest.mark.parametrize("held, deltas, stop, want", [
-    # "s." begins in token 1's held text "s" and ends in the decode leg's ".": cut before it.
-    ("s", [(". Next", [9])], ("s.",), (("", (9,), "stop"),)),
-    # Held until no stop can begin in the held text any more, then everything, merged.
-    ("ab", [("c", [9]), ("de", [10])], ("bxyz",), (None, ("abcde", (9, 10), None))),
-    # A stop entirely in the decode leg's text is the decode engine's business: passed on.
-    ("a", [("zzzz", [9])], ("zz",), (("azzzz", (9,), None),)),
-    # The leg ends before the check could finish: what there is, as it is.
-    ("ab", [("c", [9], "length")], ("bcdef",), (("abc", (9,), "length"),)),
+@pytest.mark.parametrize("first, deltas, stop, want", [
+    # Token 1 " s" (its "s" held back: it may begin "s."); "s." ends in token 2: cut before it.
+    (" s", [(". Next", [9])], ("s.",), (("", (9,), "stop", "s."),)),
+    # The leg's text is held back by the longest stop but one character, as vLLM does, then
+    # released when no stop can complete any more, and whole at the end.
+    (" ab", [("c", [9]), ("de", [10]), ("f", [11], "length")], ("bxyz",),
+     ((" ", (9,), None, None), ("ab", (10,), None, None), ("cdef", (11,), "length", None))),
+    # A stop entirely in the leg's text: found here too (the leg has no stop strings).
+    (" a", [("zz", [9]), ("zz", [10])], ("zzz",),
+     ((" a", (9,), None, None), ("", (10,), "stop", "zzz"))),
+    # Two stops completed by one token: the one that ends first, as vLLM.
+    (" ab", [("cd", [9])], ("bcd", "abc"), (("", (9,), "stop", "abc"),)),
 ])
-def test_a_stop_string_across_the_join_is_found(held, deltas, stop, want):
-    join = _StopAtJoin(held, stop)
+def test_the_decode_legs_stop_strings_are_found_as_on_one_engine(first, deltas, stop, want):
+    # The client has token 1's text less its held-back end.
+    sampling = SamplingOptions(max_tokens=9, stop=stop)
+    sent = max(0, len(first) - (max(len(s) for s in stop) - 1))
+    join = _StopStrings(first, sent, sampling)
     outs = []
     for n, d in enumerate(deltas, start=2):
         out = join.feed(_delta(d[0], d[1], n, d[2] if len(d) > 2 else None))
-        outs.append(None if out is None else (out.text, out.token_ids, out.finish_reason))
+        outs.append((out.text, out.token_ids, out.finish_reason, out.stop_reason))
+        if out.finished:
+            break
     assert tuple(outs) == want
-    # After the check everything passes unchanged.
-    delta = _delta("more", [11], 9)
-    if outs[-1] is not None and outs[-1][2] is None:
-        assert join.feed(delta) is delta
+
+
+def test_a_stop_string_across_the_join_is_kept_with_include_stop_str_in_output():
+    # Token 1 " Paris" was sent whole (nothing held back with include_stop_str_in_output);
+    # the stop "s." ends in the decode leg's "." and the client's text ends after it.
+    sampling = SamplingOptions(max_tokens=9, stop=("s.",), include_stop_str_in_output=True)
+    join = _StopStrings(" Paris", len(" Paris"), sampling)
+    out = join.feed(_delta(". It", [9], 2))
+    assert (out.text, out.finish_reason, out.stop_reason) == (".", "stop", "s.")
+
+
+def test_a_stop_string_across_the_join_waits_for_min_tokens():
+    # As vLLM: a stop string counts once the output holds more than min_tokens tokens. Token 1
+    # + the leg's first token is 2 tokens: with min_tokens 2 the "s." there does not stop.
+    sampling = SamplingOptions(max_tokens=9, stop=("s.",), min_tokens=2)
+    out = _StopStrings("s", 0, sampling).feed(_delta(". Next", [9], 2, "length"))
+    assert (out.text, out.finish_reason) == ("s. Next", "length")
+    sampling = dataclasses.replace(sampling, min_tokens=1)
+    out = _StopStrings("s", 0, sampling).feed(_delta(". Next", [9], 2))
+    assert (out.text, out.finish_reason, out.stop_reason) == ("", "stop", "s.")
 
 
 async def test_a_waiting_decode_leg_renews_its_prefill_lease_until_it_pulls(engines):
@@ -297,3 +322,23 @@ async def test_a_waiting_decode_leg_renews_its_prefill_lease_until_it_pulls(engi
     await asyncio.sleep(0.3)
     assert len(renewed) == count  # no renewal once the leg pulled and the request ended
     s.assert_books_closed()
+
+
+def test_a_stop_string_across_the_join_is_kept_with_include_stop_str_in_output():
+    # Token 1 " Paris" was sent whole (nothing held back with include_stop_str_in_output);
+    # the stop "s." ends in the decode leg's "." and the client's text ends after it.
+    sampling = SamplingOptions(max_tokens=9, stop=("s.",), include_stop_str_in_output=True)
+    join = _StopStrings(" Paris", len(" Paris"), sampling)
+    out = join.feed(_delta(". It", [9], 2))
+    assert (out.text, out.finish_reason, out.stop_reason) == (".", "stop", "s.")
+
+
+def test_a_stop_string_across_the_join_waits_for_min_tokens():
+    # As vLLM: a stop string counts once the output holds more than min_tokens tokens. Token 1
+    # + the leg's first token is 2 tokens: with min_tokens 2 the "s." there does not stop.
+    sampling = SamplingOptions(max_tokens=9, stop=("s.",), min_tokens=2)
+    out = _StopStrings("s", 0, sampling).feed(_delta(". Next", [9], 2, "length"))
+    assert (out.text, out.finish_reason) == ("s. Next", "length")
+    sampling = dataclasses.replace(sampling, min_tokens=1)
+    out = _StopStrings("s", 0, sampling).feed(_delta(". Next", [9], 2))
+    assert (out.text, out.finish_reason, out.stop_reason) == ("", "stop", "s.")
