@@ -73,7 +73,8 @@ async def _serve_http(config: PdserveConfig, backend: RayBackend, model: Resolve
     tokenizer = await asyncio.to_thread(load_tokenizer, model.path, config)
     app = build_app(backend, tokenizer, model.served_name, config.api.max_queued_requests,
                     config.api.default_max_tokens, access,
-                    RequestLimits(config.api.max_body_bytes, config.api.body_timeout_s))
+                    RequestLimits(config.api.max_body_bytes, config.api.body_timeout_s),
+                    config.api.tool_call_parser)
     server = DrainingServer(uvicorn_config(app, config), app)
     announcer = asyncio.create_task(_announce_when_ready(server, config, model, started))
     try:

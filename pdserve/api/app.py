@@ -32,10 +32,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.api.errors import OpenAIError, bad_request, internal, overloaded
 from pdserve.api.guard import AccessPolicy, HttpGuard, RequestLimits
 from pdserve.serving.metrics import ServingMetrics
-from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, FieldError
 from pdserve.api.serving import OpenAIServing, PreparedRequest
 from pdserve.api.tokenization import (
-    DetokenizeRequest, Tokenization, TokenizeRequest, keyed_tokenizer_routes,
+    DetokenizeRequest, Tokenization, TokenizeRequest,
 )
 from pdserve.serving.backend import STATS_INTERVAL_S, EngineBackend
 
@@ -48,10 +48,12 @@ _DISCONNECT_POLL_S = 0.25
 def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
               max_queued_requests: int = 1024, default_max_tokens: int | None = None,
               access: AccessPolicy | None = None,
-              limits: RequestLimits | None = None) -> FastAPI:
+              limits: RequestLimits | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     # The backend's metrics: its request flow observes each request as the ledger timed it.
     metrics = backend.metrics
-    serving = OpenAIServing(backend, tokenizer, served_name, default_max_tokens)
+    serving = OpenAIServing(backend, tokenizer, served_name, default_max_tokens,
+                            tool_call_parser)
     tokenization = Tokenization(tokenizer, served_name, lambda: serving.max_model_len)
     admission = _Admission(max_queued_requests)
 
@@ -69,7 +71,7 @@ def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
     app.state.metrics = metrics
     _install_error_handlers(app, metrics)
     # Keys and the body limit are checked before routing and before any body is parsed.
-    app.add_middleware(HttpGuard, policy=keyed_tokenizer_routes(access or AccessPolicy()),
+    app.add_middleware(HttpGuard, policy=access or AccessPolicy(),
                        limits=limits or RequestLimits(),
                        on_refusal=lambda status: metrics.rejected.labels(str(status)).inc())
 
@@ -79,6 +81,7 @@ def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
         try:
             prepared = await prepare()
             serving.start(prepared)  # placement: may refuse with 429 before any byte is sent
+            await serving.validate(prepared)  # a refused grammar: 400 before any byte
         except BaseException:
             release()
             raise
@@ -169,9 +172,8 @@ async def _respond(serving: OpenAIServing, prepared: PreparedRequest, request: R
 
 def _placement_headers(prepared: PreparedRequest) -> dict[str, str]:
     """x-pdserve-prefill-engine / x-pdserve-decode-engine: the engines the request was placed
-    on when it started (a remote prefill only for the first)."""
-    engines = getattr(prepared.deltas, "engines", None) or {}
-    return {f"x-pdserve-{leg}-engine": replica for leg, replica in engines.items()}
+    on when it started (a remote prefill only for the first; the first choice's, for n > 1)."""
+    return {f"x-pdserve-{leg}-engine": replica for leg, replica in prepared.engines.items()}
 
 
 async def _released_after(events: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
@@ -254,6 +256,9 @@ def _describe_validation(exc: RequestValidationError) -> OpenAIError:
     if first.get("type") == "model_attributes_type" or not loc and "dict" in first.get("msg", ""):
         return bad_request("The request body must be a JSON object.")
     param = ".".join(loc) or None
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):  # a check across fields names the one to change
+        param = ".".join([*loc, cause.param])
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "missing":
         msg = f"Missing required parameter: '{param}'."

@@ -44,7 +44,7 @@ class AccessPolicy:
     def check(self, path: str, authorization: bytes | None) -> OpenAIError | None:
         """None if a request for `path` with this Authorization header may go on, else the
         refusal to send."""
-        if path == "/v1" or path.startswith("/v1/"):
+        if path == "/v1" or path.startswith("/v1/") or path in _KEYED_ROOT_PATHS:
             keys = self.api_keys
         elif path == "/metrics":
             keys = (self.metrics_api_key,) if self.metrics_api_key else ()
@@ -58,6 +58,10 @@ class AccessPolicy:
         if not _matches_any(token, keys):
             return unauthorized(_WRONG_KEY, "invalid_api_key")
         return None
+
+
+# Routes outside /v1/ that need the API key as /v1/... does (vLLM leaves them open).
+_KEYED_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 @dataclass(frozen=True, slots=True)

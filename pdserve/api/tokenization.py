@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from pdserve.api.errors import OpenAIError, bad_request, model_not_found
-from pdserve.api.guard import AccessPolicy
-from pdserve.api.protocol import ChatCompletionRequest, ChatMessage, _holds_lone_surrogate
-
-TOKENIZER_ROUTES = ("/tokenize", "/detokenize")
+from pdserve.api.errors import bad_request, model_not_found
+from pdserve.api.protocol import ChatCompletionRequest, ChatMessage, holds_lone_surrogate
 
 
 class _TokenizerRequest(BaseModel):
@@ -43,7 +39,7 @@ class _TokenizerRequest(BaseModel):
     @classmethod
     def _refuse_text_that_is_not_unicode(cls, data: Any) -> Any:
         # A lone UTF-16 surrogate ("\ud800" in JSON) makes the tokenizer raise a TypeError.
-        if _holds_lone_surrogate(data):
+        if holds_lone_surrogate(data):
             raise ValueError("The request holds text that is not valid Unicode (a lone UTF-16 "
                              "surrogate such as \\ud800); send UTF-8 text.")
         return data
@@ -60,10 +56,11 @@ class TokenizeRequest(_TokenizerRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool | None = False
-    # vLLM options that change the rendering; not taken here yet (400 rather than ignored).
+    # Rendering options, as /v1/chat/completions takes them (tools: their definitions, for the
+    # template). A request's own template is refused there and here.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
     @model_validator(mode="after")
     def _one_form(self) -> TokenizeRequest:
@@ -74,10 +71,17 @@ class TokenizeRequest(_TokenizerRequest):
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` "
                              "to True (add_generation_prompt defaults to true).")
-        if self.chat_template or self.chat_template_kwargs or self.tools:
-            raise ValueError("chat_template, chat_template_kwargs and tools are not supported on "
-                             "/tokenize: it renders messages with the model's own template only")
+        if self.chat_template:
+            raise ValueError("chat_template is not supported: messages are rendered with the "
+                             "model's own template")
         return self
+
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            kwargs["tools"] = self.tools
+        return kwargs
 
 
 class DetokenizeRequest(_TokenizerRequest):
@@ -141,26 +145,11 @@ class Tokenization:
         return render_chat(self._tokenizer, template_messages(body.messages),
                            add_generation_prompt=body.add_generation_prompt,
                            continue_final_message=body.continue_final_message,
-                           add_special_tokens=bool(body.add_special_tokens))
+                           add_special_tokens=bool(body.add_special_tokens),
+                           template_kwargs=body.template_kwargs())
 
     def _check_model(self, model: str | None) -> None:
         # vLLM's rule: no model (or "") means the served one.
         if model and model != self._served_name:
             raise model_not_found(model)
 
-
-def keyed_tokenizer_routes(policy: AccessPolicy) -> AccessPolicy:
-    """`policy`, extended so that the tokenizer routes need an API key as /v1/... does.
-
-    The guard keys `/v1/...` by path prefix; /tokenize and /detokenize sit at the root, as in vLLM.
-    (Once `AccessPolicy.check` lists these paths itself, this wrapper can go.)
-    """
-    return _KeyedTokenizerRoutes(**{f.name: getattr(policy, f.name) for f in fields(policy)})
-
-
-@dataclass(frozen=True, slots=True)
-class _KeyedTokenizerRoutes(AccessPolicy):
-    def check(self, path: str, authorization: bytes | None) -> OpenAIError | None:
-        # Checked as if under /v1/: the same keys, the same refusals.
-        keyed_as = "/v1" + path if path in TOKENIZER_ROUTES else path
-        return AccessPolicy.check(self, keyed_as, authorization)
