@@ -14,7 +14,8 @@ from pdserve.errors import EngineDiedError, RequestDeadlineError
 from pdserve.scheduler.ledger import LegStarted, Migrated, RequestLedger
 from pdserve.scheduler.perf_model import PerfModel
 from pdserve.scheduler.routing import RoutingPolicy
-from pdserve.serving.flow import FlowOptions, RequestFlow, _Replayed, _Sent, _StopStrings
+from pdserve.serving.continuation import Replayed, Sent, StopStrings
+from pdserve.serving.flow import FlowOptions, RequestFlow
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.testing.inprocess import InProcessChannel
 
@@ -233,9 +234,9 @@ def _delta(text, ids, n, finish=None):
 
 def test_replayed_output_is_dropped_by_tokens_and_characters():
     # The client has 3 tokens whose text the old engine partly held back ("ab" of "abc").
-    sent = _Sent(tokens=[1, 2, 3], text_chars=2)
+    sent = Sent(tokens=[1, 2, 3], text_chars=2)
     leg = GenerateRequest("r", (5,), SamplingOptions(max_tokens=9), replay_output_tokens=(1, 2, 3))
-    replayed = _Replayed(leg, sent)
+    replayed = Replayed(leg, sent)
     # The new engine's deltas coalesce replayed and new output in any way.
     assert replayed.new_part(_delta("a", [1], 1)) is None
     out = replayed.new_part(_delta("bc", [2, 3, 4], 3))
@@ -246,7 +247,7 @@ def test_replayed_output_is_dropped_by_tokens_and_characters():
 
 def test_without_replay_nothing_is_dropped():
     leg = GenerateRequest("r", (5, 1, 2), SamplingOptions(max_tokens=9), prior_output_tokens=2)
-    replayed = _Replayed(leg, _Sent(tokens=[1, 2], text_chars=4))
+    replayed = Replayed(leg, Sent(tokens=[1, 2], text_chars=4))
     delta = _delta("x", [7], 3)
     assert replayed.new_part(delta) is delta
 
@@ -268,7 +269,7 @@ def test_the_decode_legs_stop_strings_are_found_as_on_one_engine(first, deltas, 
     # The client has token 1's text less its held-back end.
     sampling = SamplingOptions(max_tokens=9, stop=stop)
     sent = max(0, len(first) - (max(len(s) for s in stop) - 1))
-    join = _StopStrings(first, sent, sampling)
+    join = StopStrings(first, sent, sampling)
     outs = []
     for n, d in enumerate(deltas, start=2):
         out = join.feed(_delta(d[0], d[1], n, d[2] if len(d) > 2 else None))
@@ -282,7 +283,7 @@ def test_a_stop_string_across_the_join_is_kept_with_include_stop_str_in_output()
     # Token 1 " Paris" was sent whole (nothing held back with include_stop_str_in_output);
     # the stop "s." ends in the decode leg's "." and the client's text ends after it.
     sampling = SamplingOptions(max_tokens=9, stop=("s.",), include_stop_str_in_output=True)
-    join = _StopStrings(" Paris", len(" Paris"), sampling)
+    join = StopStrings(" Paris", len(" Paris"), sampling)
     out = join.feed(_delta(". It", [9], 2))
     assert (out.text, out.finish_reason, out.stop_reason) == (".", "stop", "s.")
 
@@ -291,10 +292,10 @@ def test_a_stop_string_across_the_join_waits_for_min_tokens():
     # As vLLM: a stop string counts once the output holds more than min_tokens tokens. Token 1
     # + the leg's first token is 2 tokens: with min_tokens 2 the "s." there does not stop.
     sampling = SamplingOptions(max_tokens=9, stop=("s.",), min_tokens=2)
-    out = _StopStrings("s", 0, sampling).feed(_delta(". Next", [9], 2, "length"))
+    out = StopStrings("s", 0, sampling).feed(_delta(". Next", [9], 2, "length"))
     assert (out.text, out.finish_reason) == ("s. Next", "length")
     sampling = dataclasses.replace(sampling, min_tokens=1)
-    out = _StopStrings("s", 0, sampling).feed(_delta(". Next", [9], 2))
+    out = StopStrings("s", 0, sampling).feed(_delta(". Next", [9], 2))
     assert (out.text, out.finish_reason, out.stop_reason) == ("", "stop", "s.")
 
 
@@ -328,7 +329,7 @@ def test_a_stop_string_across_the_join_is_kept_with_include_stop_str_in_output()
     # Token 1 " Paris" was sent whole (nothing held back with include_stop_str_in_output);
     # the stop "s." ends in the decode leg's "." and the client's text ends after it.
     sampling = SamplingOptions(max_tokens=9, stop=("s.",), include_stop_str_in_output=True)
-    join = _StopStrings(" Paris", len(" Paris"), sampling)
+    join = StopStrings(" Paris", len(" Paris"), sampling)
     out = join.feed(_delta(". It", [9], 2))
     assert (out.text, out.finish_reason, out.stop_reason) == (".", "stop", "s.")
 
@@ -337,8 +338,8 @@ def test_a_stop_string_across_the_join_waits_for_min_tokens():
     # As vLLM: a stop string counts once the output holds more than min_tokens tokens. Token 1
     # + the leg's first token is 2 tokens: with min_tokens 2 the "s." there does not stop.
     sampling = SamplingOptions(max_tokens=9, stop=("s.",), min_tokens=2)
-    out = _StopStrings("s", 0, sampling).feed(_delta(". Next", [9], 2, "length"))
+    out = StopStrings("s", 0, sampling).feed(_delta(". Next", [9], 2, "length"))
     assert (out.text, out.finish_reason) == ("s. Next", "length")
     sampling = dataclasses.replace(sampling, min_tokens=1)
-    out = _StopStrings("s", 0, sampling).feed(_delta(". Next", [9], 2))
+    out = StopStrings("s", 0, sampling).feed(_delta(". Next", [9], 2))
     assert (out.text, out.finish_reason, out.stop_reason) == ("", "stop", "s.")
