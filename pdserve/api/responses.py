@@ -116,12 +116,18 @@ class Responses:
 
     def full(self, outputs: list[Output]) -> dict[str, Any]:
         choices = [self._full_choice(c, o) for c, o in zip(self._p.choices, outputs, strict=True)]
-        return {**self._base(), "choices": choices, "usage": self._usage(outputs)}
+        body = {**self._base(), "choices": choices, "usage": self._usage(outputs)}
+        if self._chat and outputs[0].prompt_logprobs is not None:
+            # vLLM's extension: on chat, the prompt's logprobs are the response's.
+            body["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs)
+        return body
 
     def _full_choice(self, choice: Choice, out: Output) -> dict[str, Any]:
         text = "".join(out.text)
         finish = out.finish_reason
         extra: dict[str, Any] = {"stop_reason": out.stop_reason}
+        if not self._chat and out.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
         if self._r.return_token_ids:
             extra["token_ids"] = out.token_ids
             extra["prompt_token_ids"] = self._r.prompt_ids[choice.prompt_index]
@@ -281,6 +287,15 @@ class Responses:
                             "bytes": list(token.encode("utf-8", errors="replace")),
                             "top_logprobs": top})
         return {"content": content}
+
+
+def prompt_logprobs_json(positions: Sequence[PositionLogprobs | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` field: per prompt position None (the first) or {token id:
+    {"logprob", "rank", "decoded_token"}}, -inf as -9999."""
+    return [None if p is None else
+            {str(c.token_id): {"logprob": max(c.logprob, _LOGPROB_FLOOR), "rank": c.rank,
+                               "decoded_token": c.text} for c in p}
+            for p in positions]
 
 
 def _chosen(position: PositionLogprobs | None, token_id: int):

@@ -62,7 +62,7 @@ class OpenAIServing:
             else:
                 self._check_token_ids(prompt, "prompt")
                 prompts.append(list(prompt))
-        prompts = [_truncated(ids, body.truncate_prompt_tokens) for ids in prompts]
+        prompts = [_truncated(ids, body.truncate_prompt_tokens, self.max_model_len) for ids in prompts]
         score_only = body.echo and body.max_tokens == 0
         logprobs = body.logprobs
         prompt_logprobs = body.prompt_logprobs
@@ -88,7 +88,7 @@ class OpenAIServing:
         _log_ignored(body)
         plan = self._tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
         ids = await asyncio.to_thread(self._apply_chat_template, body, plan)
-        ids = _truncated(ids, body.truncate_prompt_tokens)
+        ids = _truncated(ids, body.truncate_prompt_tokens, self.max_model_len)
         constraint = body.output_constraint()
         if plan is not None and plan.structured_outputs is not None:
             constraint = plan.structured_outputs  # the tool calls asked for, forced
@@ -301,12 +301,13 @@ def _log_ignored(body: _SamplingFields) -> None:
                        ignored)
 
 
-def _truncated(ids: list[int], keep: int | None) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep the last `keep` tokens (-1: up to the model's
-    length, which the length check enforces anyway)."""
-    if keep is None or keep < 0 or len(ids) <= keep:
+def _truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last `keep` tokens (-1: as many as
+    the model's context holds)."""
+    if keep is None:
         return ids
-    return ids[len(ids) - keep:] if keep else ids
+    keep = max_model_len if keep < 0 else keep
+    return ids[len(ids) - keep:] if 0 < keep < len(ids) else ids
 
 
 async def _peeked(stream: AsyncIterator[GenerateDelta]) -> AsyncIterator[GenerateDelta]:

@@ -89,9 +89,17 @@ def test_chat_logprobs_and_top_logprobs(client):
 
 
 def test_prompt_logprobs_extension(client):
+    ids = tiny_tokenizer().encode("hello world")
     body = post(client, "/v1/completions", prompt="hello world", max_tokens=1, prompt_logprobs=1)
-    assert body["choices"][0]["stop_reason"] is None
-    assert body["choices"][0]["finish_reason"] == "length"
+    choice = body["choices"][0]
+    assert choice["stop_reason"] is None and choice["finish_reason"] == "length"
+    prompt = choice["prompt_logprobs"]
+    assert len(prompt) == len(ids) and prompt[0] is None
+    for token_id, position in zip(ids[1:], prompt[1:]):
+        assert str(token_id) in position and len(position) == 2  # the token and 1 other
+        assert set(position[str(token_id)]) == {"logprob", "rank", "decoded_token"}
+    chat = post(client, "/v1/chat/completions", messages=CHAT, max_tokens=1, prompt_logprobs=0)
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
 
 
 def test_streamed_n_chat_sends_each_choice_and_one_usage(client):

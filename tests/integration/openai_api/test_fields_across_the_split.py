@@ -106,6 +106,11 @@ def test_prompt_logprobs_extension_agrees(colocated, disaggregated):
     body = {"prompt": LONG, "max_tokens": 4, "temperature": 0, "prompt_logprobs": 2}
     a, b = both(colocated, disaggregated, "/v1/completions", body, remote=True)
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    pa, pb = a["choices"][0]["prompt_logprobs"], b["choices"][0]["prompt_logprobs"]
+    assert len(pa) == a["usage"]["prompt_tokens"] and pa[0] is None and pb[0] is None
+    for x, y in zip(pa[1:], pb[1:], strict=True):
+        assert x.keys() == y.keys()
+        assert all(abs(x[k]["logprob"] - y[k]["logprob"]) <= TOLERANCE for k in x)
 
 
 @pytest.mark.parametrize("prompt, remote", [(LONG, True), (SHORT, False)], ids=["remote", "local"])
