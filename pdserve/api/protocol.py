@@ -135,12 +135,7 @@ class _SamplingFields(_Request):
     @model_validator(mode="before")
     @classmethod
     def _refuse_text_that_is_not_unicode(cls, data: Any) -> Any:
-        # JSON may escape a lone UTF-16 surrogate ("\ud800"); no tokenizer nor UTF-8 encoder
-        # takes one, so it is refused here, before any of it is echoed or tokenized.
-        if holds_lone_surrogate(data):
-            raise ValueError("The request holds text that is not valid Unicode (a lone UTF-16 "
-                             "surrogate such as \\ud800); send UTF-8 text.")
-        return data
+        return unicode_only(data)
 
     @model_validator(mode="before")
     @classmethod
@@ -272,6 +267,16 @@ class _SamplingFields(_Request):
                     out["whitespace_pattern"] = self.guided_whitespace_pattern
                 return out
         return None
+
+
+def unicode_only(data: Any) -> Any:
+    """`data` (a parsed JSON body), or a ValueError when it holds a lone UTF-16 surrogate:
+    JSON may escape one ("\\ud800"), and no tokenizer nor UTF-8 encoder takes it, so it is
+    refused before any of it is echoed or tokenized."""
+    if holds_lone_surrogate(data):
+        raise ValueError("The request holds text that is not valid Unicode (a lone UTF-16 "
+                         "surrogate such as \\ud800); send UTF-8 text.")
+    return data
 
 
 def holds_lone_surrogate(data: Any) -> bool:

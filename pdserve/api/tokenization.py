@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from pdserve.api.errors import bad_request, model_not_found
-from pdserve.api.protocol import ChatCompletionRequest, ChatMessage, holds_lone_surrogate
+from pdserve.api.protocol import ChatCompletionRequest, ChatMessage, unicode_only
 
 
 class _TokenizerRequest(BaseModel):
@@ -38,11 +38,7 @@ class _TokenizerRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_text_that_is_not_unicode(cls, data: Any) -> Any:
-        # A lone UTF-16 surrogate ("\ud800" in JSON) makes the tokenizer raise a TypeError.
-        if holds_lone_surrogate(data):
-            raise ValueError("The request holds text that is not valid Unicode (a lone UTF-16 "
-                             "surrogate such as \\ud800); send UTF-8 text.")
-        return data
+        return unicode_only(data)  # a lone surrogate makes the tokenizer raise a TypeError
 
 
 class TokenizeRequest(_TokenizerRequest):

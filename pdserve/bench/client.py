@@ -286,8 +286,9 @@ class OpenAIStreamClient:
         return recorder.finish(queued_s)
 
 
-async def fetch_first_model(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> str:
-    """The id of the first model the server lists on /v1/models (vllm bench's default for --model)."""
+async def list_models(base_url: str, api_key: str | None = None,
+                      timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """The model cards the server lists on /v1/models; ConnectionError when it cannot be asked."""
     url = base_url.rstrip("/") + "/v1/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
@@ -296,9 +297,17 @@ async def fetch_first_model(base_url: str, api_key: str | None = None, timeout_s
             session.get(url, headers=headers) as response,
         ):
             response.raise_for_status()
-            models = (await response.json()).get("data") or []
+            listing = await response.json()
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise ConnectionError(f"cannot list models at {url}: {type(exc).__name__}: {exc}") from exc
+    cards = listing.get("data") if isinstance(listing, dict) else None
+    return [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []
+
+
+async def fetch_first_model(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> str:
+    """The id of the first model the server lists on /v1/models (vllm bench's default for --model)."""
+    models = await list_models(base_url, api_key, timeout_s)
+    url = base_url.rstrip("/") + "/v1/models"
     if not models:
         raise ConnectionError(f"{url} lists no models")
     return str(models[0]["id"])

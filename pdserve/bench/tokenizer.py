@@ -140,22 +140,14 @@ async def fetch_model_root(base_url: str, model: str, api_key: str | None = None
     """Where the server loaded `model` from, as vLLM's /v1/models says (`root`: the path or hub id
     given to `vllm serve`); None when the server does not say (pdserve's does not) or cannot be
     asked. Only a hint: the benchmark goes on without it."""
-    import aiohttp  # the bench extra, as in client.py
+    from pdserve.bench.client import list_models  # the bench extra (aiohttp)
 
-    url = base_url.rstrip("/") + "/v1/models"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
-            session.get(url, headers=headers) as response,
-        ):
-            response.raise_for_status()
-            listing = await response.json()
-    except (aiohttp.ClientError, TimeoutError, ValueError):
+        cards = await list_models(base_url, api_key, timeout_s)
+    except ConnectionError:
         return None
-    cards = listing.get("data") if isinstance(listing, dict) else None
-    for card in cards if isinstance(cards, list) else []:
-        if isinstance(card, dict) and card.get("id") == model:
+    for card in cards:
+        if card.get("id") == model:
             root = card.get("root")
             return root if isinstance(root, str) and root else None
     return None

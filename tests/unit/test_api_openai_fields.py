@@ -7,26 +7,14 @@ import json
 import logging
 
 import pytest
-from fastapi.testclient import TestClient
 
-from pdserve.api.app import build_app
 from pdserve.testing import tiny_tokenizer
 
-from tests.unit.test_api import MODEL, make_backend, sse_events
+from tests.unit.test_api import MODEL, client, sse_events  # noqa: F401 - client: the fixture
 
 pytestmark = pytest.mark.unit
 
 CHAT = [{"role": "user", "content": "hello world"}]
-
-
-@pytest.fixture
-def client():
-    backend = make_backend()
-    app = build_app(backend, tiny_tokenizer(), MODEL)
-    with TestClient(app) as client:
-        client.portal.call(backend.start)
-        yield client
-        client.portal.call(backend.shutdown)
 
 
 def post(client, path, **body):

@@ -323,23 +323,3 @@ async def test_a_waiting_decode_leg_renews_its_prefill_lease_until_it_pulls(engi
     await asyncio.sleep(0.3)
     assert len(renewed) == count  # no renewal once the leg pulled and the request ended
     s.assert_books_closed()
-
-
-def test_a_stop_string_across_the_join_is_kept_with_include_stop_str_in_output():
-    # Token 1 " Paris" was sent whole (nothing held back with include_stop_str_in_output);
-    # the stop "s." ends in the decode leg's "." and the client's text ends after it.
-    sampling = SamplingOptions(max_tokens=9, stop=("s.",), include_stop_str_in_output=True)
-    join = StopStrings(" Paris", len(" Paris"), sampling)
-    out = join.feed(_delta(". It", [9], 2))
-    assert (out.text, out.finish_reason, out.stop_reason) == (".", "stop", "s.")
-
-
-def test_a_stop_string_across_the_join_waits_for_min_tokens():
-    # As vLLM: a stop string counts once the output holds more than min_tokens tokens. Token 1
-    # + the leg's first token is 2 tokens: with min_tokens 2 the "s." there does not stop.
-    sampling = SamplingOptions(max_tokens=9, stop=("s.",), min_tokens=2)
-    out = StopStrings("s", 0, sampling).feed(_delta(". Next", [9], 2, "length"))
-    assert (out.text, out.finish_reason) == ("s. Next", "length")
-    sampling = dataclasses.replace(sampling, min_tokens=1)
-    out = StopStrings("s", 0, sampling).feed(_delta(". Next", [9], 2))
-    assert (out.text, out.finish_reason, out.stop_reason) == ("", "stop", "s.")
