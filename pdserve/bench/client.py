@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.bench.server_info import list_models
 from pdserve.bench.workloads import BenchRequest
 
 # vllm bench's session timeout: long enough for the slowest request of an overloaded run.
@@ -284,24 +285,6 @@ class OpenAIStreamClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             return recorder.fail(f"{type(exc).__name__}: {exc}", queued_s)
         return recorder.finish(queued_s)
-
-
-async def list_models(base_url: str, api_key: str | None = None,
-                      timeout_s: float = 30.0) -> list[dict[str, Any]]:
-    """The model cards the server lists on /v1/models; ConnectionError when it cannot be asked."""
-    url = base_url.rstrip("/") + "/v1/models"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
-            session.get(url, headers=headers) as response,
-        ):
-            response.raise_for_status()
-            listing = await response.json()
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        raise ConnectionError(f"cannot list models at {url}: {type(exc).__name__}: {exc}") from exc
-    cards = listing.get("data") if isinstance(listing, dict) else None
-    return [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []
 
 
 async def fetch_first_model(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> str:

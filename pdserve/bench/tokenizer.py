@@ -140,7 +140,7 @@ async def fetch_model_root(base_url: str, model: str, api_key: str | None = None
     """Where the server loaded `model` from, as vLLM's /v1/models says (`root`: the path or hub id
     given to `vllm serve`); None when the server does not say (pdserve's does not) or cannot be
     asked. Only a hint: the benchmark goes on without it."""
-    from pdserve.bench.client import list_models  # the bench extra (aiohttp)
+    from pdserve.bench.server_info import list_models  # the bench extra (aiohttp)
 
     try:
         cards = await list_models(base_url, api_key, timeout_s)
