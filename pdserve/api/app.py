@@ -157,23 +157,18 @@ class _Admission:
 
 async def _respond(serving: OpenAIServing, prepared: PreparedRequest, request: Request,
                    release: Callable[[], None]) -> Response:
-    placed = _placement_headers(prepared)
+    # Provenance headers (pdserve/serving/provenance.py): a stream's say where it was placed,
+    # a whole response's also how its KV came and whether it migrated.
     if prepared.stream:
         return StreamingResponse(_released_after(serving.stream(prepared), release),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **placed})
+                                 headers={"Cache-Control": "no-cache", **prepared.headers()})
     try:
         response = await _complete_unless_disconnected(serving, prepared, request)
     finally:
         release()
-    response.headers.update(placed)
+    response.headers.update(prepared.headers())
     return response
-
-
-def _placement_headers(prepared: PreparedRequest) -> dict[str, str]:
-    """x-pdserve-prefill-engine / x-pdserve-decode-engine: the engines the request was placed
-    on when it started (a remote prefill only for the first; the first choice's, for n > 1)."""
-    return {f"x-pdserve-{leg}-engine": replica for leg, replica in prepared.engines.items()}
 
 
 async def _released_after(events: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:

@@ -29,6 +29,8 @@ class Choice:
     request: GenerateRequest
     prompt_index: int = 0
     deltas: AsyncIterator[GenerateDelta] | None = None
+    # Where its tokens came from (`pdserve.serving.provenance.Provenance`), once placed.
+    provenance: Any = None
 
 
 @dataclass(slots=True)
@@ -57,9 +59,12 @@ class PreparedRequest:
     # The engine validates a structured-output constraint: a streamed response waits for its
     # first output before answering, so that a refused constraint is a 400, not a stream error.
     validate_first: bool = False
-    # Where the first choice was placed: {'prefill': replica (a remote prefill only),
-    # 'decode': replica} (response headers).
-    engines: dict[str, str] = field(default_factory=dict)
+
+    def headers(self) -> dict[str, str]:
+        """The first choice's provenance headers (pdserve.serving.provenance): for a streamed
+        response, sent before it runs, the placement; after a whole response, everything."""
+        provenance = self.choices[0].provenance
+        return {} if provenance is None else provenance.headers()
 
     @property
     def engine_request(self) -> GenerateRequest:

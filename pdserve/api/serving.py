@@ -116,7 +116,7 @@ class OpenAIServing:
         try:
             for choice in prepared.choices:
                 choice.deltas = self._backend.generate(choice.request)
-            prepared.engines = getattr(prepared.choices[0].deltas, "engines", None) or {}
+                choice.provenance = getattr(choice.deltas, "provenance", None)
         except (OverloadedError, EngineUnavailableError) as e:
             for choice in prepared.choices:
                 if choice.deltas is not None:

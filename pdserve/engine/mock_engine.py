@@ -26,7 +26,8 @@ from pdserve.config.schema import MockEngineConfig
 from pdserve.engine.spec import EngineSpec
 from pdserve.engine.step_trace import Step, StepTraceWriter
 from pdserve.engine.types import (
-    EngineInfo, EngineStats, GenerateDelta, GenerateRequest, Leg, PositionLogprobs, TokenLogprob,
+    EngineInfo, EngineStats, GenerateDelta, GenerateRequest, KVPull, Leg, PositionLogprobs,
+    TokenLogprob,
 )
 
 # Token id the mock treats as end-of-sequence (never produced unless asked for).
@@ -41,6 +42,7 @@ class _Running:
     text: str = ""
     aborted: bool = False
     finished: bool = False
+    pull: KVPull | None = None  # a decode leg's simulated pull, until its first delta
 
 
 class MockEngine:
@@ -136,7 +138,7 @@ class MockEngine:
             # token only.
             n = len(state.request.prompt_token_ids)
             if state.request.leg is Leg.DECODE:
-                await self._simulate_pull(n - 1)
+                state.pull = await self._simulate_pull(n - 1)
                 n = 1
             await asyncio.sleep(n / self._settings.prefill_tokens_per_s)
             if state.aborted:
@@ -145,12 +147,13 @@ class MockEngine:
             self._running[state.request.request_id] = state
             self._emit(state)  # the first token comes out of the prefill step
 
-    async def _simulate_pull(self, prompt_tokens: int) -> None:
+    async def _simulate_pull(self, prompt_tokens: int) -> KVPull:
         nbytes = prompt_tokens * self._settings.kv_bytes_per_token
         seconds = nbytes / self._settings.transfer_bytes_per_s
         await asyncio.sleep(seconds)
         self._kv_bytes += nbytes
         self._kv_seconds.append(seconds)
+        return KVPull(nbytes, seconds)
 
     async def _decode_loop(self) -> None:
         while True:
@@ -217,6 +220,7 @@ class MockEngine:
                 (None, *(_mock_position(t, sampling.prompt_logprobs)
                          for t in state.request.prompt_token_ids[1:]))
                 if first and sampling.prompt_logprobs is not None else None),
+            kv_pull=state.pull if first else None,
         )
 
     def _transfer_params(self, state: _Running) -> dict | None:

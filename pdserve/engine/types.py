@@ -110,6 +110,17 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class KVPull:
+    """How a decode leg's KV came from its prefill engine, as the decode engine's connector
+    measured it: bytes moved, seconds, and whether the pull failed (the connector then
+    recomputed the prompt, or failed the request, per `kv.failure_policy`)."""
+
+    nbytes: int
+    seconds: float
+    failed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateDelta:
     """What an engine produced since its previous delta for one request."""
 
@@ -128,6 +139,8 @@ class GenerateDelta:
     # What ended the request when it stopped on a stop string or stop token: that string or
     # token id (vLLM's `stop_reason`); None for EOS, a length limit, or while running.
     stop_reason: int | str | None = None
+    # A decode leg's KV pull, once, on a delta after it finished (None elsewhere).
+    kv_pull: KVPull | None = None
 
     @property
     def finished(self) -> bool:

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 from pdserve.engine.tracing_scheduler import QUALNAME as TRACING_SCHEDULER
 from pdserve.engine.tracing_scheduler import trace_environment
 from pdserve.engine.types import (
-    EngineInfo, EngineStats, GenerateDelta, GenerateRequest, PositionLogprobs, TokenLogprob,
+    EngineInfo, EngineStats, GenerateDelta, GenerateRequest, KVPull, Leg, PositionLogprobs,
+    TokenLogprob,
 )
 
 if TYPE_CHECKING:
@@ -47,16 +48,32 @@ class _LatestSchedulerStats:
     kv_bytes_total: int = 0
     kv_failures_total: int = 0
     kv_seconds: list[float] = field(default_factory=list)  # drained by each stats() call
+    # Each request's pull until its leg takes it (`take_pull`), by vLLM's request id and by the
+    # id it was submitted with (vLLM >= 0.30 appends "-" and 8 characters).
+    pulls: dict[str, KVPull] = field(default_factory=dict)
 
     def add_transfers(self, data: dict[str, Any]) -> None:
         """Fold in one interval of pdserve's connector stats (`pdserve.kv.connector.stats`):
-        per-pull lists of bytes, seconds and a failed flag."""
+        per-pull lists of bytes, seconds, a failed flag and the request's id."""
         failed = [int(f) for f in data.get("pull_failed", ())]
-        self.kv_bytes_total += sum(int(b) for b in data.get("pull_bytes", ()))
+        nbytes = [int(b) for b in data.get("pull_bytes", ())]
+        seconds = [float(x) for x in data.get("pull_seconds", ())]
+        self.kv_bytes_total += sum(nbytes)
         self.kv_failures_total += sum(failed)
-        done = [float(x) for x, f in zip(data.get("pull_seconds", ()), failed, strict=False) if not f]
+        done = [x for x, f in zip(seconds, failed, strict=False) if not f]
         # Bounded: a stats poll drains it every second; keep at most the latest 4096 pulls.
         self.kv_seconds = (self.kv_seconds + done)[-4096:]
+        for rid, b, s, f in zip(data.get("pull_request_ids", ()), nbytes, seconds, failed,
+                                strict=False):
+            pull = KVPull(b, s, bool(f))
+            self.pulls[rid] = pull
+            if len(rid) > 9 and rid[-9] == "-":
+                self.pulls[rid[:-9]] = pull
+        while len(self.pulls) > 8192:  # legs that never took theirs (aborted)
+            del self.pulls[next(iter(self.pulls))]
+
+    def take_pull(self, request_id: str) -> KVPull | None:
+        return self.pulls.pop(request_id, None)
 
 
 def _stat_logger_factory(sink: _LatestSchedulerStats):
@@ -125,6 +142,7 @@ class VllmEngine:
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         produced = 0
         finish_reason = None
+        pulling = request.leg is Leg.DECODE  # its pull's record comes with a later delta
         try:
             async for out in self._llm.generate(prompt, _sampling_params(request),
                                                 request.request_id):
@@ -132,6 +150,8 @@ class VllmEngine:
                 produced += len(completion.token_ids)
                 if out.finished:
                     finish_reason = completion.finish_reason or "stop"
+                pull = self._scheduler.take_pull(request.request_id) if pulling else None
+                pulling = pulling and pull is None
                 yield GenerateDelta(
                     request_id=request.request_id, text=completion.text,
                     token_ids=tuple(completion.token_ids),
@@ -141,7 +161,7 @@ class VllmEngine:
                     kv_transfer_params=getattr(out, "kv_transfer_params", None),
                     logprobs=_logprobs(completion.logprobs),
                     prompt_logprobs=_prompt_logprobs(out.prompt_logprobs),
-                    stop_reason=completion.stop_reason,
+                    stop_reason=completion.stop_reason, kv_pull=pull,
                 )
         finally:
             # AsyncLLM aborts a request whose generator is closed early; an explicit abort

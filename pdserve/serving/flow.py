@@ -56,6 +56,7 @@ from pdserve.serving.continuation import (
     held_back, merged, prefill_request,
 )
 from pdserve.serving.metrics import ServingMetrics
+from pdserve.serving.provenance import Provenance
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +132,10 @@ class RequestFlow:
         dropped before it starts."""
         return AdmittedStream(self, request, admission)
 
-    async def run(self, request: GenerateRequest,
-                  admission: Admission) -> AsyncIterator[GenerateDelta]:
-        state = _Running(admission)
+    async def run(self, request: GenerateRequest, admission: Admission,
+                  provenance: Provenance | None = None) -> AsyncIterator[GenerateDelta]:
+        state = _Running(admission, provenance or Provenance.placed(request.request_id,
+                                                                    admission.placement))
         timeout = self._options.request_timeout_s
         state.deadline = None if timeout is None else admission.admitted_at + timeout
         output_tokens, reason, finished_at = 0, "error", None
@@ -152,6 +154,7 @@ class RequestFlow:
             raise
         finally:
             self.finish(request, state.admission, finished_at, output_tokens, reason)
+            state.provenance.log(reason)
 
     def finish(self, request: GenerateRequest, admission: Admission, now: float | None,
                output_tokens: int, reason: str) -> None:
@@ -180,11 +183,13 @@ class RequestFlow:
         if state.admission.first_leg is Leg.PREFILL:
             first = await self._prefill(request, state)
         if first is None:  # a local placement, or a failed prefill recomputed where it decodes
+            state.provenance.prefill_failed = state.admission.first_leg is Leg.PREFILL
             leg, leg_request = Leg.FULL, request
         else:
             # The first token can end the request: EOS or a stop string ("stop"), or a budget
             # of one.
             ends_here = first.finish_reason == "stop" or request.sampling.max_tokens == 1
+            state.provenance.first_token_only = ends_here
             if not ends_here:
                 state.prefill_params = first.kv_transfer_params
                 state.prefill_engine = state.admission.engine_of(Leg.PREFILL)
@@ -212,6 +217,8 @@ class RequestFlow:
                             raise EngineRequestError(
                                 f"KV transfer for {request.request_id} from its prefill engine "
                                 "failed (kv.failure_policy is 'fail')")
+                        if delta.kv_pull is not None:
+                            state.provenance.pull = delta.kv_pull
                         if leg is Leg.DECODE and delta.token_ids:
                             state.pulled = True
                         out = replayed.new_part(delta)
@@ -315,6 +322,8 @@ class RequestFlow:
             moved = self._ledger.migrate(state.admission, self._clock(), prompt, left)
             if isinstance(moved, Admission):
                 state.admission = moved
+                state.provenance.decode = moved.placement.decode
+                state.provenance.migrations.append(moved.placement.decode)
                 self._metrics.migrated.labels(pool).inc()
                 logger.info("request %s continues on %s", request.request_id,
                             moved.placement.decode)
@@ -382,6 +391,7 @@ class _Running:
     """One request's state across its legs."""
 
     admission: Admission  # replaced when the request migrates
+    provenance: Provenance
     deadline: float | None = None
     prefill_params: dict | None = None  # the prefill engine's transfer parameters
     prefill_engine: tuple[str, str] | None = None  # (pool, replica id) of the prefill leg
@@ -398,6 +408,8 @@ class AdmittedStream:
         self._admission = admission
         self._stream: AsyncIterator[GenerateDelta] | None = None
         self._closed = False
+        # Filled in as the request runs (headers, the log line).
+        self.provenance = Provenance.placed(request.request_id, admission.placement)
 
     def __aiter__(self) -> AdmittedStream:
         return self
@@ -416,7 +428,7 @@ class AdmittedStream:
         if self._stream is None:
             if self._closed:
                 raise StopAsyncIteration
-            self._stream = self._flow.run(self._request, self._admission)
+            self._stream = self._flow.run(self._request, self._admission, self.provenance)
         return await self._stream.__anext__()
 
     async def aclose(self) -> None:

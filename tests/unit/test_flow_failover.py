@@ -323,3 +323,37 @@ async def test_a_waiting_decode_leg_renews_its_prefill_lease_until_it_pulls(engi
     await asyncio.sleep(0.3)
     assert len(renewed) == count  # no renewal once the leg pulled and the request ended
     s.assert_books_closed()
+
+
+async def test_provenance_says_the_kv_was_pulled_and_how_much(engines, caplog):
+    s = Setup(engines)
+    req = request(6)
+    stream = s.flow.stream(req, s.flow.admit(req))
+    with caplog.at_level("INFO", logger="pdserve.provenance"):
+        [d async for d in stream]
+    p = stream.provenance
+    assert (p.path, p.prefill, p.kv, p.migrations) == ("remote", "prefill", "pulled", [])
+    # The mock decode engine pulls the 3 prompt tokens (it computes token 1's position).
+    assert p.pull.nbytes == 3 * FAST.kv_bytes_per_token and p.pull.seconds > 0
+    assert p.headers()["x-pdserve-kv-bytes"] == str(p.pull.nbytes)
+    assert f"request r: path=remote prefill=prefill decode={p.decode} kv=pulled" in caplog.text
+
+
+async def test_provenance_says_a_dead_prefill_engine_was_recomputed_and_a_migration(engines):
+    async def dead_prefill(leg):
+        raise EngineDiedError("engine prefill died")
+        yield  # an async generator
+
+    s = Setup(engines, decode=("decode-0", "decode-1"),
+              streams={"prefill": dead_prefill,
+                       "decode-0": dies_after(2, InProcessChannel(engines["decode-0"]).stream),
+                       "decode-1": dies_after(2, InProcessChannel(engines["decode-1"]).stream)},
+              options=FlowOptions(migration_limit=1))
+    req = request(8)
+    stream = s.flow.stream(req, s.flow.admit(req))
+    with pytest.raises(EngineDiedError):
+        [d async for d in stream]  # died twice: past the migration limit
+    p = stream.provenance
+    assert p.kv == "recomputed_prefill_failed" and p.headers()["x-pdserve-kv"] == p.kv
+    assert len(p.migrations) == 1 and p.decode == p.migrations[0]
+    assert p.headers()["x-pdserve-migrations"] == "1"

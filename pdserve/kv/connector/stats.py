@@ -3,7 +3,7 @@
 Path: each worker returns the pulls it finished since the last step (`get_kv_connector_stats`);
 vLLM aggregates them across TP ranks, and hands `SchedulerStats.kv_connector_stats` (the `data`
 dict below) to every stat logger, where pdserve's metrics read them. `data` is plain lists of
-numbers, as vLLM requires (it crosses vLLM's process boundary).
+numbers (and the pulls' request ids), as vLLM requires (it crosses vLLM's process boundary).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 __all__ = ["PdserveKVStats"]
 
-_KEYS = ("pull_bytes", "pull_seconds", "pull_blocks", "pull_failed")
+# pull_request_ids: vLLM's (internal) id of the request each pull was for.
+_KEYS = ("pull_bytes", "pull_seconds", "pull_blocks", "pull_failed", "pull_request_ids")
 
 
 @dataclass
@@ -36,6 +37,7 @@ class PdserveKVStats(KVConnectorStats):
             stats.data["pull_seconds"].append(float(r.seconds))
             stats.data["pull_blocks"].append(int(r.num_blocks))
             stats.data["pull_failed"].append(0 if r.error is None else 1)
+            stats.data["pull_request_ids"].append(str(r.request_id))
         return stats
 
     def reset(self) -> None:
