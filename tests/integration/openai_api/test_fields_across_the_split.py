@@ -1,10 +1,11 @@
 """Every OpenAI field pdserve supports gives the same answer colocated and disaggregated, on real
 CPU vLLM engines: the same request goes to both services of this package (conftest.py) and the
 responses are compared. A prompt longer than 8 tokens takes the remote path (prefill engine,
-KV pulled by the decode engine: token 1 sampled on one engine, the rest on the other); a shorter
-one is prefilled on the decode engine (the local-prefill path, the same `FULL` leg a recompute
-runs). Responses carry `x-pdserve-prefill-engine` exactly when the prefill engine served them,
-which each test checks, so a test cannot pass by a silent fallback to one engine.
+KV pulled by the decode engine: token 1 sampled on one engine, the rest on the other), which
+each test checks (`x-pdserve-path`), so it cannot pass by a silent fallback to one engine. A
+shorter one may be prefilled on the decode engine (the local-prefill path, the same `FULL` leg
+a recompute runs) when the router predicts that no slower than the prefill engine, which it
+usually does while the engines are idle; either way its answer must agree.
 
 Greedy requests (temperature 0) must agree token for token and their logprobs within 1e-4; a
 seeded sampled request replays token 1 on the decode engine and must agree too.
@@ -35,11 +36,13 @@ def post(server, path: str, body: dict) -> httpx.Response:
 
 
 def both(colocated, disaggregated, path: str, body: dict, remote: bool | None = None):
-    """The two services' response bodies; `remote` checks the disaggregated path taken."""
+    """The two services' response bodies; `remote=True` checks that the prefill engine served
+    the disaggregated one and its decode engine pulled the KV."""
     a = post(colocated, path, body)
     b = post(disaggregated, path, body)
-    if remote is not None:
-        assert ("x-pdserve-prefill-engine" in b.headers) is remote, dict(b.headers)
+    if remote:
+        assert (b.headers["x-pdserve-path"], b.headers["x-pdserve-kv"]) in \
+            (("remote", "pulled"), ("remote", "not_needed")), dict(b.headers)
     return a.json(), b.json()
 
 
@@ -66,7 +69,7 @@ def assert_close_chat_logprobs(a: dict, b: dict) -> None:
             assert abs(p["logprob"] - q["logprob"]) <= TOLERANCE
 
 
-@pytest.mark.parametrize("prompt, remote", [(LONG, True), (SHORT, False)], ids=["remote", "local"])
+@pytest.mark.parametrize("prompt, remote", [(LONG, True), (SHORT, None)], ids=["long", "short"])
 def test_completion_logprobs_agree(colocated, disaggregated, prompt, remote):
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 3}
     a, b = both(colocated, disaggregated, "/v1/completions", body, remote)
@@ -113,7 +116,7 @@ def test_prompt_logprobs_extension_agrees(colocated, disaggregated):
         assert all(abs(x[k]["logprob"] - y[k]["logprob"]) <= TOLERANCE for k in x)
 
 
-@pytest.mark.parametrize("prompt, remote", [(LONG, True), (SHORT, False)], ids=["remote", "local"])
+@pytest.mark.parametrize("prompt, remote", [(LONG, True), (SHORT, None)], ids=["long", "short"])
 def test_seeded_n_samples_agree_and_repeat(colocated, disaggregated, prompt, remote):
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.9, "seed": 1234, "n": 3}
     a, b = both(colocated, disaggregated, "/v1/completions", body, remote)
@@ -191,7 +194,7 @@ EXTENSIONS = [
 
 
 @pytest.mark.parametrize("extension", EXTENSIONS, ids=[",".join(e) for e in EXTENSIONS])
-@pytest.mark.parametrize("prompt, remote", [(LONG, True), (SHORT, False)], ids=["remote", "local"])
+@pytest.mark.parametrize("prompt, remote", [(LONG, True), (SHORT, None)], ids=["long", "short"])
 def test_sampling_extensions_agree(colocated, disaggregated, extension, prompt, remote):
     body = {"prompt": prompt, "max_tokens": 10, "logprobs": 1, **extension}
     a, b = both(colocated, disaggregated, "/v1/completions", body, remote)

@@ -52,9 +52,15 @@ def test_a_pulled_request_says_what_it_pulled(disaggregated):
 
 
 def test_local_and_colocated_requests_say_so(disaggregated, colocated):
+    # A 5-token prompt may be prefilled on the decode engine (when the router predicts that no
+    # slower than the prefill engine): the headers say which, consistently.
     h = complete(disaggregated, SHORT).headers
-    assert (h["x-pdserve-path"], h["x-pdserve-kv"]) == ("local_short_prompt", "local"), dict(h)
-    assert "x-pdserve-prefill-engine" not in h and "x-pdserve-kv-bytes" not in h
+    if h["x-pdserve-path"] == "local_short_prompt":
+        assert h["x-pdserve-kv"] == "local", dict(h)
+        assert "x-pdserve-prefill-engine" not in h and "x-pdserve-kv-bytes" not in h
+    else:
+        assert (h["x-pdserve-path"], h["x-pdserve-kv"]) == ("remote", "pulled"), dict(h)
+        assert int(h["x-pdserve-kv-bytes"]) > 0
     h = complete(colocated, LONG).headers
     assert (h["x-pdserve-path"], h["x-pdserve-kv"]) == ("colocated", "local"), dict(h)
 
