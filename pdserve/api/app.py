@@ -54,7 +54,8 @@ def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
     metrics = backend.metrics
     serving = OpenAIServing(backend, tokenizer, served_name, default_max_tokens,
                             tool_call_parser)
-    tokenization = Tokenization(tokenizer, served_name, lambda: serving.max_model_len)
+    tokenization = Tokenization(tokenizer, served_name, lambda: serving.max_model_len,
+                                serving.tools)
     admission = _Admission(max_queued_requests)
 
     @contextlib.asynccontextmanager

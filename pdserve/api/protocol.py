@@ -248,6 +248,9 @@ class _SamplingFields(_Request):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def continuous_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def output_constraint(self) -> dict[str, Any] | None:
         """The structured-output constraint asked for, as vLLM's `StructuredOutputsParams`
         keyword arguments; None for free text."""

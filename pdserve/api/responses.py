@@ -56,19 +56,19 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     rendering: Rendering = field(default_factory=Rendering)
-    # The engine validates a structured-output constraint: a streamed response waits for its
-    # first output before answering, so that a refused constraint is a 400, not a stream error.
-    validate_first: bool = False
+
+    @property
+    def constrained(self) -> bool:
+        """Whether its output follows a structured-output constraint, which the engine
+        validates: a streamed response then waits for its first output before answering, so
+        that a refused constraint is a 400, not a stream error."""
+        return self.choices[0].request.sampling.structured_output is not None
 
     def headers(self) -> dict[str, str]:
         """The first choice's provenance headers (pdserve.serving.provenance): for a streamed
         response, sent before it runs, the placement; after a whole response, everything."""
         provenance = self.choices[0].provenance
         return {} if provenance is None else provenance.headers()
-
-    @property
-    def engine_request(self) -> GenerateRequest:
-        return self.choices[0].request
 
 
 @dataclass(slots=True)
@@ -149,16 +149,8 @@ class Responses:
                         if self._r.logprobs is not None else None)
             return {"index": choice.index, "message": message, "logprobs": logprobs,
                     "finish_reason": finish, **extra}
-        ids, positions = out.token_ids, list(out.logprobs)
-        if self._r.echo:
-            prompt_ids = self._r.prompt_ids[choice.prompt_index]
-            prompt_positions = list(out.prompt_logprobs or [None] * len(prompt_ids))
-            prompt_text = self._r.prompt_texts[choice.prompt_index]
-            if self._r.score_only:
-                ids, positions, text = prompt_ids, prompt_positions, prompt_text
-            else:
-                ids, positions = [*prompt_ids, *ids], [*prompt_positions, *positions]
-                text = prompt_text + text
+        text, ids, positions = self._echoed(choice, text, out.token_ids, out.logprobs,
+                                            out.prompt_logprobs, first=True)
         logprobs = (self._completion_logprobs(ids, positions)
                     if self._r.logprobs is not None else None)
         if self._r.score_only:
@@ -198,19 +190,9 @@ class Responses:
                     "finish_reason": finish, **extra}
             chunk = {**self._base(), "object": "chat.completion.chunk", "choices": [body]}
         else:
-            text, ids = delta.text, list(delta.token_ids)
-            positions = list(delta.logprobs or ())
-            if self._r.echo and first:
-                prompt_ids = self._r.prompt_ids[choice.prompt_index]
-                prompt_text = self._r.prompt_texts[choice.prompt_index]
-                prompt_positions = list(delta.prompt_logprobs or [None] * len(prompt_ids))
-                if self._r.score_only:
-                    text, ids, positions = prompt_text, prompt_ids, prompt_positions
-                else:
-                    text, ids = prompt_text + text, [*prompt_ids, *ids]
-                    positions = [*prompt_positions, *positions]
-            elif self._r.score_only:
-                text, ids, positions = "", [], []
+            text, ids, positions = self._echoed(choice, delta.text, delta.token_ids,
+                                                delta.logprobs or (), delta.prompt_logprobs,
+                                                first)
             if self._r.score_only and delta.finished:
                 finish = "length"
             logprobs = (self._completion_logprobs(ids, positions)
@@ -221,6 +203,22 @@ class Responses:
         if self._r.continuous_usage and self._p.include_usage:
             chunk["usage"] = self._usage(outputs)
         return chunk
+
+    def _echoed(self, choice: Choice, text: str, ids: Sequence[int],
+                positions: Sequence[PositionLogprobs],
+                prompt_logprobs: Sequence[PositionLogprobs | None] | None,
+                first: bool) -> tuple[str, list[int], list[PositionLogprobs | None]]:
+        """A completion's text, token ids and logprobs as the client gets them: with `echo`, the
+        prompt's come first (on a stream, in its first chunk); scoring the prompt alone
+        (max_tokens 0), the generated token is not shown."""
+        if not (self._r.echo and first):
+            return ("", [], []) if self._r.score_only else (text, list(ids), list(positions))
+        prompt_ids = self._r.prompt_ids[choice.prompt_index]
+        prompt_text = self._r.prompt_texts[choice.prompt_index]
+        prompt_positions = list(prompt_logprobs or [None] * len(prompt_ids))
+        if self._r.score_only:
+            return prompt_text, list(prompt_ids), prompt_positions
+        return prompt_text + text, [*prompt_ids, *ids], [*prompt_positions, *positions]
 
     def _chat_delta(self, index: int, delta: GenerateDelta) -> tuple[dict | None, str | None]:
         finish = delta.finish_reason

@@ -26,6 +26,7 @@ from pdserve.api.errors import (
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from pdserve.api.responses import Choice, Output, PreparedRequest, Rendering, Responses
 from pdserve.api.tokenization import render_chat
+from pdserve.api.tools import ToolCalling
 from pdserve.engine.types import GenerateDelta, GenerateRequest, SamplingOptions
 from pdserve.errors import (
     EngineDiedError, EngineRejectedRequestError, EngineRequestError, EngineUnavailableError,
@@ -35,6 +36,7 @@ from pdserve.serving.backend import EngineBackend
 
 logger = logging.getLogger(__name__)
 
+
 class OpenAIServing:
     def __init__(self, backend: EngineBackend, tokenizer: Any, served_name: str,
                  default_max_tokens: int | None = None, tool_call_parser: str | None = None) -> None:
@@ -43,9 +45,7 @@ class OpenAIServing:
         self.served_name = served_name
         self._default_max_tokens = default_max_tokens
         self._vocab = len(tokenizer)
-        from pdserve.api.tools import ToolCalling
-
-        self._tools = ToolCalling(tool_call_parser, tokenizer)
+        self.tools = ToolCalling(tool_call_parser, tokenizer)
 
     @property
     def max_model_len(self) -> int:
@@ -72,7 +72,7 @@ class OpenAIServing:
             logprobs=logprobs, echo=body.echo, score_only=score_only,
             prompt_ids=prompts, tokens_as_ids=body.return_tokens_as_token_ids,
             return_token_ids=body.return_token_ids,
-            continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
+            continuous_usage=body.continuous_usage_in_stream(),
         )
         if body.echo:
             rendering.prompt_texts = [
@@ -86,7 +86,7 @@ class OpenAIServing:
     async def prepare_chat(self, body: ChatCompletionRequest) -> PreparedRequest:
         self._check_model(body.model)
         _log_ignored(body)
-        plan = self._tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+        plan = self.tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls)
         ids = await asyncio.to_thread(self._apply_chat_template, body, plan)
         ids = _truncated(ids, body.truncate_prompt_tokens, self.max_model_len)
         constraint = body.output_constraint()
@@ -96,18 +96,11 @@ class OpenAIServing:
             logprobs=body.logprobs_per_token(), prompt_ids=[ids],
             tokens_as_ids=body.return_tokens_as_token_ids,
             return_token_ids=body.return_token_ids, tools=plan,
-            continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
+            continuous_usage=body.continuous_usage_in_stream(),
         )
-        prepared = self._prepare("chat", "chatcmpl", body, [ids], body.requested_max_tokens(),
-                                 body.logprobs_per_token(), body.prompt_logprobs, constraint,
-                                 rendering)
-        if plan is not None:
-            # A tool-call parser may need the special tokens that delimit calls in the text.
-            for choice in prepared.choices:
-                choice.request = replace(choice.request, sampling=replace(
-                    choice.request.sampling, skip_special_tokens=plan.skip_special_tokens,
-                    spaces_between_special_tokens=plan.spaces_between_special_tokens))
-        return prepared
+        return self._prepare("chat", "chatcmpl", body, [ids], body.requested_max_tokens(),
+                             body.logprobs_per_token(), body.prompt_logprobs, constraint,
+                             rendering)
 
     def start(self, prepared: PreparedRequest) -> None:
         """Place every choice with the backend before any response byte is sent, so that a
@@ -130,7 +123,7 @@ class OpenAIServing:
         """For a streamed request whose input the engine validates (a structured-output
         constraint): wait for each choice's first output, so that a refusal is an HTTP 400
         rather than an error event inside a 200 stream."""
-        if not (prepared.stream and prepared.validate_first):
+        if not (prepared.stream and prepared.constrained):
             return
         try:
             for choice in prepared.choices:
@@ -224,6 +217,8 @@ class OpenAIServing:
         bias = tuple((int(k), max(-100.0, min(100.0, v)))
                      for k, v in (body.logit_bias or {}).items())
         self._check_token_ids([t for t, _ in bias], "logit_bias")
+        # A tool-call parser may need the special tokens that delimit calls in the text.
+        detokenizing = rendering.tools or body
         if body.min_tokens > min(budgets):
             raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed max_tokens "
                               f"({min(budgets)})", "min_tokens")
@@ -238,8 +233,8 @@ class OpenAIServing:
             allowed_token_ids=(tuple(body.allowed_token_ids)
                                if body.allowed_token_ids is not None else None),
             bad_words=tuple(body.bad_words or ()), ignore_eos=body.ignore_eos,
-            skip_special_tokens=body.skip_special_tokens,
-            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            skip_special_tokens=detokenizing.skip_special_tokens,
+            spaces_between_special_tokens=detokenizing.spaces_between_special_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_output=constraint,
         )
         request_id = body.request_id or f"{prefix}-{uuid.uuid4().hex}"
@@ -254,8 +249,7 @@ class OpenAIServing:
                 rid = engine_id if len(prompts) * body.n == 1 else f"{engine_id}-{index}"
                 choices.append(Choice(index, GenerateRequest(rid, tuple(ids), sampling), p))
         return PreparedRequest(kind, request_id, choices, body.stream,
-                               body.include_usage_in_stream(), rendering,
-                               validate_first=constraint is not None)
+                               body.include_usage_in_stream(), rendering)
 
     def _check_model(self, model: str) -> None:
         if model != self.served_name:
@@ -293,6 +287,7 @@ class OpenAIServing:
                            add_generation_prompt=body.add_generation_prompt,
                            continue_final_message=body.continue_final_message,
                            add_special_tokens=body.add_special_tokens, template_kwargs=kwargs)
+
 
 def _log_ignored(body: _SamplingFields) -> None:
     ignored = body.ignored_fields()

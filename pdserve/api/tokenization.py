@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from pdserve.api.errors import bad_request, model_not_found
 from pdserve.api.protocol import ChatCompletionRequest, ChatMessage, unicode_only
+from pdserve.api.tools import ToolCalling
 
 
 class _TokenizerRequest(BaseModel):
@@ -73,13 +74,6 @@ class TokenizeRequest(_TokenizerRequest):
         return self
 
 
-    def template_kwargs(self) -> dict[str, Any]:
-        kwargs = dict(self.chat_template_kwargs or {})
-        if self.tools:
-            kwargs["tools"] = self.tools
-        return kwargs
-
-
 class DetokenizeRequest(_TokenizerRequest):
     # Strict: "5", 5.0 and true are not token ids.
     tokens: list[StrictInt] = Field(min_length=1)
@@ -111,10 +105,12 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generatio
 class Tokenization:
     """The two routes' work over the frontend's tokenizer."""
 
-    def __init__(self, tokenizer: Any, served_name: str, max_model_len: Callable[[], int]) -> None:
+    def __init__(self, tokenizer: Any, served_name: str, max_model_len: Callable[[], int],
+                 tools: ToolCalling) -> None:
         self._tokenizer = tokenizer
         self._served_name = served_name
         self._max_model_len = max_model_len
+        self._tools = tools  # the chat endpoint's: tools reach the template as they do there
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self._check_model(body.model)
@@ -138,11 +134,15 @@ class Tokenization:
         if body.messages is None:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             return list(self._tokenizer.encode(body.prompt, add_special_tokens=special))
+        kwargs = dict(body.chat_template_kwargs or {})
+        plan = self._tools.plan(body.tools, "none") if body.tools is not None else None
+        if plan is not None and plan.template_tools is not None:
+            kwargs["tools"] = plan.template_tools
         return render_chat(self._tokenizer, template_messages(body.messages),
                            add_generation_prompt=body.add_generation_prompt,
                            continue_final_message=body.continue_final_message,
                            add_special_tokens=bool(body.add_special_tokens),
-                           template_kwargs=body.template_kwargs())
+                           template_kwargs=kwargs)
 
     def _check_model(self, model: str | None) -> None:
         # vLLM's rule: no model (or "") means the served one.

@@ -48,8 +48,8 @@ class _LatestSchedulerStats:
     kv_bytes_total: int = 0
     kv_failures_total: int = 0
     kv_seconds: list[float] = field(default_factory=list)  # drained by each stats() call
-    # Each request's pull until its leg takes it (`take_pull`), by vLLM's request id and by the
-    # id it was submitted with (vLLM >= 0.30 appends "-" and 8 characters).
+    # Each request's pull until its leg takes it (`take_pull`), by the id pdserve submitted it
+    # with.
     pulls: dict[str, KVPull] = field(default_factory=dict)
 
     def add_transfers(self, data: dict[str, Any]) -> None:
@@ -65,10 +65,10 @@ class _LatestSchedulerStats:
         self.kv_seconds = (self.kv_seconds + done)[-4096:]
         for rid, b, s, f in zip(data.get("pull_request_ids", ()), nbytes, seconds, failed,
                                 strict=False):
-            pull = KVPull(b, s, bool(f))
-            self.pulls[rid] = pull
-            if len(rid) > 9 and rid[-9] == "-":
-                self.pulls[rid[:-9]] = pull
+            # vLLM >= 0.30 runs a request under its id + "-" + 8 characters; pdserve's own ids
+            # never end that way (a uuid's hex, or a short "-p" / "-m1" / "-3" suffix).
+            self.pulls[rid[:-9] if len(rid) > 9 and rid[-9] == "-" else rid] = \
+                KVPull(b, s, bool(f))
         while len(self.pulls) > 8192:  # legs that never took theirs (aborted)
             del self.pulls[next(iter(self.pulls))]
 

@@ -179,7 +179,7 @@ class RequestFlow:
     async def _continued(self, request: GenerateRequest,
                          state: _Running) -> AsyncIterator[GenerateDelta]:
         sent = Sent()  # what the client has
-        first = join = None
+        first = stops = None
         if state.admission.first_leg is Leg.PREFILL:
             first = await self._prefill(request, state)
         if first is None:  # a local placement, or a failed prefill recomputed where it decodes
@@ -203,7 +203,7 @@ class RequestFlow:
             leg, leg_request = Leg.DECODE, decode_request(request, first)
             if not leg_request.replay_output_tokens and request.sampling.stop:
                 # Token 1 is prompt to the decode engine: the stop strings are checked here.
-                join = StopStrings(first.text, len(out.text), request.sampling)
+                stops = StopStrings(first.text, len(out.text), request.sampling)
         migrations = 0
         while True:
             replayed = Replayed(leg_request, sent)
@@ -224,8 +224,8 @@ class RequestFlow:
                         out = replayed.new_part(delta)
                         if out is None:
                             continue
-                        if leg is Leg.DECODE and join is not None:
-                            out = join.feed(out)
+                        if leg is Leg.DECODE and stops is not None:
+                            out = stops.feed(out)
                         sent.add(out)
                         yield out
                         if out.finished:

@@ -112,7 +112,7 @@ def test_chat_form_tokenizes_as_the_chat_endpoint(smollm_tokenizer, serve):
     serving = OpenAIServing(backend, smollm_tokenizer, MODEL)
     prepared = client.portal.call(serving.prepare_chat,
                                   ChatCompletionRequest(model=MODEL, messages=messages))
-    assert body["tokens"] == list(prepared.engine_request.prompt_token_ids)
+    assert body["tokens"] == list(prepared.choices[0].request.prompt_token_ids)
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] == CONTEXT
     usage = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
                                                       "max_tokens": 1}).json()["usage"]
@@ -192,3 +192,22 @@ def test_api_keys_guard_the_tokenizer_routes(serve):
         ok = client.post(path, json=body, headers={"Authorization": f"Bearer {KEY}"})
         assert ok.status_code == 200, ok.text
     assert client.get("/health").status_code == 200  # still open, as before
+
+
+def test_tools_reach_the_template_as_on_the_chat_endpoint(serve):
+    # A template that writes the tools out: /tokenize must render them as the chat endpoint
+    # does (vLLM's dump of each tool, unset fields included), not as the client spelled them.
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = ("{% for t in tools or [] %}{{ t | tojson }}{% endfor %}"
+                               "{% for m in messages %}{{ m.content }}{% endfor %}")
+    client, _ = serve(tokenizer)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "hello world"}]
+    body = client.post("/tokenize", json={"messages": messages, "tools": tools}).json()
+    plain = client.post("/tokenize", json={"messages": messages}).json()
+    usage = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "tools": tools, "tool_choice": "none",
+        "max_tokens": 1}).json()["usage"]
+    assert body["count"] == usage["prompt_tokens"] > plain["count"]
+    bad = client.post("/tokenize", json={"messages": messages, "tools": [{"type": "function"}]})
+    assert bad.status_code == 400, bad.text
