@@ -124,8 +124,9 @@ def test_unknown_fields_are_named_in_the_log(client, caplog):
     assert "['frobnicate', 'store']" in caplog.text
 
 
-def test_sampling_extensions_reach_the_engine(client):
-    # The mock engine ignores them; what matters here is that they are accepted and checked.
+def test_sampling_extensions_are_accepted(client):
+    # The mock engine ignores them: this checks only that they are accepted and validated; what
+    # they do on real engines, colocated and disaggregated, is tests/integration/openai_api's.
     body = post(client, "/v1/completions", prompt="hello", max_tokens=2, top_k=5, min_p=0.1,
                 repetition_penalty=1.2, min_tokens=1, logit_bias={"3": 5}, stop_token_ids=[2],
                 include_stop_str_in_output=True, skip_special_tokens=False,
