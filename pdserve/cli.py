@@ -16,6 +16,7 @@ from pdserve.errors import PdserveError
 _SERVE_FLAGS: dict[str, str] = {
     "host": "api.host",
     "port": "api.port",
+    "ingress_replicas": "api.replicas",
     "model": "model.source",
     "served_model_name": "model.served_name",
     "max_model_len": "model.max_model_len",
@@ -94,6 +95,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--config", help="YAML config file (see `pdserve config schema`)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument("--ingress-replicas", type=int,
+                   help="HTTP ingress replicas, each a Ray actor on the same port (api.replicas)")
     p.add_argument("--model", help="'embedded', a local HF checkpoint dir, or a hub id")
     p.add_argument("--served-model-name", help="model name clients use")
     p.add_argument("--max-model-len", type=int, help="context length")
@@ -108,7 +111,7 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--tensor-parallel-size", type=int, help="GPUs per engine (every pool)")
     p.add_argument("--prefill-tp", type=int, help="GPUs per prefill engine (default: --tensor-parallel-size)")
     p.add_argument("--decode-tp", type=int, help="GPUs per decode engine (default: --tensor-parallel-size)")
-    p.add_argument("--transport", choices=["grpc", "nccl"],
+    p.add_argument("--transport", choices=["grpc", "nccl", "cuda_ipc"],
                    help="KV transfer transport (nccl runs over gloo on CPU-only hosts)")
     p.add_argument("--max-num-seqs", type=int, help="most concurrent requests per engine")
     p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size per engine")

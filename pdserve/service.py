@@ -3,8 +3,9 @@
 Order: resolve the model (converting the embedded one on first use), in local mode start the
 reaper (`lifecycle.py`: the Ray session's processes die with the server, however it dies), start
 a local Ray instance sized for the engines or join a cluster, launch the engine pools and wait
-for every engine, load the tokenizer, then serve HTTP. The first SIGTERM or SIGINT drains
-(`DrainingServer`): running requests and streams may finish for up to api.shutdown_grace_s, the
+for every engine, load the tokenizer, then serve HTTP. On a cluster, or with api.replicas > 1,
+the engines belong to the deployment instead and ingress replicas serve HTTP (`deployment.py`). The first SIGTERM or SIGINT drains
+(`api/server.py`'s `DrainingServer`): running requests and streams may finish for up to api.shutdown_grace_s, the
 rest are cancelled. On exit (a signal, a failed start) everything started is released in reverse,
 each step in its own try block: engines, Ray, the reaper; a drained stop exits 0.
 """
@@ -17,26 +18,24 @@ import dataclasses
 import logging
 import math
 import os
-import signal
-import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from types import FrameType
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import ray
 import uvicorn
 import uvloop
 
 from pdserve.api.app import build_app
-from pdserve.api.connections import ConnectionDeadlines, deadline_protocol
 from pdserve.api.guard import AccessPolicy, RequestLimits
+from pdserve.api.server import DrainingServer, load_tokenizer, uvicorn_config
 from pdserve.config.loader import load_api_keys
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.config.schema import PdserveConfig
+from pdserve.deployment import serve_deployment
 from pdserve.lifecycle import Reaper
 from pdserve.models.embedded import ResolvedModel, resolve_model
 from pdserve.serving.ray_backend import RayBackend
+from pdserve.serving.replicas import owned_by_deployment
 
 logger = logging.getLogger("pdserve")
 
@@ -63,6 +62,10 @@ async def serve(config: PdserveConfig) -> None:
         if reaper is not None and session_dir is not None:
             reaper.watch(session_dir)
         logger.info("starting %s engine(s) for %s", _engine_summary(config), model.served_name)
+        if owned_by_deployment(config):
+            # A controller owns the engines, ingress replicas serve HTTP (deployment.py).
+            await serve_deployment(config, model, access, started, _engine_summary(config))
+            return
         backend = await RayBackend.launch(config.without_api_secrets(), model, ServingMetrics())
         releases.push_async_callback(_release_async, "engine", backend.shutdown)
         await _serve_http(config, backend, model, access, started)
@@ -95,73 +98,6 @@ async def _release_async(what: str, release: Callable[[], Awaitable[None]]) -> N
         await release()
     except Exception:
         logger.exception("%s shutdown failed", what)
-
-
-# How long the requests cancelled at the grace's end get to abort their engine legs (an actor
-# call each, milliseconds) before the engines go.
-_CANCELLED_WAIT_S = 5.0
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server with pdserve's stop. The first SIGTERM or SIGINT drains: the app's
-    `state.shutting_down` is set (readiness answers 503), uvicorn stops accepting connections,
-    closes idle kept-alive ones, lets running requests and streams finish (closing each
-    connection after its response) for up to `timeout_graceful_shutdown` (api.shutdown_grace_s),
-    then cancels the rest, which aborts their engine requests. A second SIGINT stops waiting.
-    Unlike uvicorn's own server it does not raise the signal again once it has stopped: `serve`
-    then releases engines and Ray, and the process exits 0."""
-
-    def __init__(self, config: uvicorn.Config, app: Any) -> None:
-        super().__init__(config)
-        self._app = app
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._app.state.shutting_down = True
-        super().handle_exit(sig, frame)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signals reach only the main thread; whoever runs this thread stops it
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit)
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    async def shutdown(self, sockets: Any = None) -> None:
-        logger.info("draining: %d request(s) in flight may finish within %g s "
-                    "(api.shutdown_grace_s); new connections are refused",
-                    len(self.server_state.tasks), self.config.timeout_graceful_shutdown)
-        await super().shutdown(sockets)
-        # uvicorn cancels the requests that outlived the grace (after a second Ctrl-C it leaves
-        # them running) and does not wait for them: here they abort their engine legs and close
-        # their books while the engines still exist.
-        running = list(self.server_state.tasks)
-        for task in running:
-            task.cancel()
-        if running:
-            await asyncio.wait(running, timeout=_CANCELLED_WAIT_S)
-        if self.force_exit:
-            # uvicorn skips the app's shutdown then; its stats poller would go on calling the
-            # engines after Ray is shut down, and Ray would start a new instance for the call.
-            await self.lifespan.shutdown()
-
-
-def uvicorn_config(app: Any, config: PdserveConfig) -> uvicorn.Config:
-    api = config.api
-    deadlines = ConnectionDeadlines(api.header_timeout_s, api.write_timeout_s,
-                                    api.max_header_bytes)
-    return uvicorn.Config(
-        app, host=api.host, port=api.port, log_level=api.log_level, loop="none",
-        lifespan="on", timeout_graceful_shutdown=api.shutdown_grace_s,
-        timeout_keep_alive=api.keep_alive_s,
-        http=deadline_protocol(deadlines), limit_concurrency=api.max_connections,
-        h11_max_incomplete_event_size=api.max_header_bytes,
-        ssl_certfile=api.ssl_certfile, ssl_keyfile=api.ssl_keyfile)
 
 
 def prepare_model(config: PdserveConfig) -> ResolvedModel:
@@ -208,12 +144,6 @@ def local_ray_cpus(config: PdserveConfig) -> int:
         wanted += replicas * pool.num_cpus
     # round: 10 x 0.1 CPU is 1 CPU, not 2 (Ray counts resources in units of 1e-4)
     return max(os.cpu_count() or 1, math.ceil(round(wanted, 4)))
-
-
-def load_tokenizer(path: str, config: PdserveConfig):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
 
 
 def _engine_summary(config: PdserveConfig) -> str:

@@ -1,6 +1,7 @@
 """The autoscaling loop's decision step, shared by the Ray service and the simulator.
 
-`Autoscaler.evaluate(ledger, now)` reads each pool's signals from the `RequestLedger`,
+`Autoscaler.evaluate(source, now)` reads each pool's signals from a `SignalSource` (the
+`RequestLedger`; the controller of several ingress replicas merges theirs),
 runs the pure policy (`policy.decide`) per pool with that pool's bounds and remembered state,
 fits the scale-ups into a shared device budget when one is set (`max_gpus`: a fixed cluster, so
 the pools compete for its GPUs and the autoscaler picks the prefill:decode ratio; a pool that
@@ -14,16 +15,21 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-
 from dataclasses import replace
+from typing import Protocol
 
 from pdserve.autoscaler.policy import (
     AT_BUDGET, LATENCY_REASONS, REBALANCE, PoolBounds, ScalingDecision, ScalingPolicy, ScalingState,
     decide, latency_breaches,
 )
-from pdserve.scheduler.ledger import RequestLedger
 from pdserve.scheduler.types import PoolSignals
 from pdserve.slo import SloTargets
+
+
+class SignalSource(Protocol):
+    def signals(self, pool: str, now: float) -> PoolSignals:
+        """What the policy sees of one pool now (`RequestLedger.signals`)."""
+        ...
 
 
 class Autoscaler:
@@ -40,7 +46,7 @@ class Autoscaler:
         self._states = {pool: ScalingState() for pool in self.bounds}
         self.history: deque[tuple[float, ScalingDecision]] = deque(maxlen=history)
 
-    def evaluate(self, ledger: RequestLedger, now: float) -> list[ScalingDecision]:
+    def evaluate(self, ledger: SignalSource, now: float) -> list[ScalingDecision]:
         proposed, signals = {}, {}
         for pool, bounds in self.bounds.items():
             signals[pool] = ledger.signals(pool, now)

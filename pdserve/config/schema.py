@@ -362,6 +362,15 @@ class ServingConfig(_Section):
 class ApiConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the HTTP frontend listens on.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 picks a free one).")
+    replicas: int = Field(
+        1, ge=1, description="HTTP ingress replicas, each a Ray actor on api.host:api.port "
+        "(SO_REUSEPORT) streaming its own requests from the engines. With more than one, or on "
+        "a cluster (ray.address), the engines belong to the deployment's controller actor and "
+        "outlive any frontend (deployment.py); else the pdserve process serves HTTP itself.")
+    sync_interval_s: float = Field(
+        0.05, gt=0, le=10, description="How often each ingress replica swaps its books with the "
+        "controller: how late it sees the other replicas' placements (plus one actor call).")
+    replica_num_cpus: float = Field(0.0, ge=0, description="Ray CPUs each ingress replica reserves.")
     max_queued_requests: int = Field(
         1024, ge=1, description="Requests admitted but not finished before new ones get 429."
     )

@@ -3,10 +3,13 @@
 Lifecycle: the driver creates the actor (cheap), then awaits `start()`, which builds the engine
 off the actor's event loop (a vLLM engine takes 20-75 s to start) and returns its `EngineInfo`.
 Requests go in through `submit()`, which returns once the request runs; their deltas come back
-multiplexed on ONE long-lived Ray stream per actor, `outputs()`, each item a list of every delta
-(or `GenerateFailure`) ready since the previous item. One stream per engine instead of one per
-request: at thousands of tokens/s a Ray object per token per request saturated the frontend's
-event loop (benchmarks/frontend_stream.py). `abort()` ends a request early; `stats()` is polled
+multiplexed on ONE long-lived Ray stream per frontend, `outputs()`, each item a list of every
+delta (or `GenerateFailure`) ready since the previous item. One stream per engine and frontend
+instead of one per request: at thousands of tokens/s a Ray object per token per request
+saturated the frontend's event loop (benchmarks/frontend_stream.py). A frontend names itself
+as `name@incarnation` (its subscriber): several frontends (ingress replicas) share an engine,
+each reading its own requests' deltas; a restarted frontend (same name, new incarnation)
+subscribing aborts what its dead predecessor left running here. `abort()` ends a request early; `stats()` is polled
 by the frontend (and says when the engine is dead); `release_kv()` frees a prefill's KV that no
 decode leg will pull; `shutdown()` runs last.
 The engine is built by its kind in the config (`engine.kind`, registry.py), so tests and
@@ -49,7 +52,10 @@ class EngineActor:
         self._engine: Engine = build_engine(spec)
         self._info: EngineInfo | None = None
         self._running: dict[str, asyncio.Task[None]] = {}
-        self._outputs: asyncio.Queue[EngineOutput | None] | None = None
+        # Per frontend name: its current subscriber (name@incarnation) and output queue; and
+        # which subscriber submitted each running request.
+        self._streams: dict[str, _Stream] = {}
+        self._owners: dict[str, str] = {}
         # Aborts that arrived before their request's submit (an async actor may run a caller's
         # calls out of order): the late submit is dropped instead of running unobserved.
         self._aborted_early: OrderedDict[str, None] = OrderedDict()
@@ -68,26 +74,30 @@ class EngineActor:
             self._info = dataclasses.replace(info, pid=os.getpid(), node_ip=_node_ip())
         return self._info
 
-    async def submit(self, request: GenerateRequest) -> None:
-        """Start one request; its deltas appear on `outputs()`. Returns once it runs."""
+    async def submit(self, request: GenerateRequest, subscriber: str = "") -> None:
+        """Start one request; its deltas appear on `subscriber`'s `outputs()`. Returns once it
+        runs."""
         if request.request_id in self._aborted_early:
             del self._aborted_early[request.request_id]
             return  # aborted before it arrived: nobody listens for it
+        self._subscribe(subscriber)
+        self._owners[request.request_id] = subscriber
         task = asyncio.get_running_loop().create_task(self._run(request, time.monotonic()))
         self._running[request.request_id] = task
 
-    async def outputs(self) -> AsyncIterator[list[EngineOutput]]:
-        """Every request's deltas, in order per request, batched: waits for one, then takes all
-        that are queued. Call with `.options(num_returns="streaming")`; the frontend keeps one
-        open per actor. A newer call takes over: the older stream ends, and outputs not yet
-        taken go to the newer one."""
+    async def outputs(self, subscriber: str = "") -> AsyncIterator[list[EngineOutput]]:
+        """The deltas of every request `subscriber` submitted, in order per request, batched:
+        waits for one, then takes all that are queued. Call with
+        `.options(num_returns="streaming")`; a frontend keeps one open per actor. A newer call
+        of the same subscriber takes over: the older stream ends, and outputs not yet taken go
+        to the newer one."""
+        stream = self._subscribe(subscriber)
         queue: asyncio.Queue[EngineOutput | None] = asyncio.Queue()
-        if self._outputs is not None:
-            while not self._outputs.empty():
-                if (item := self._outputs.get_nowait()) is not None:
-                    queue.put_nowait(item)
-            self._outputs.put_nowait(None)  # ends the older stream
-        self._outputs = queue
+        while not stream.queue.empty():
+            if (item := stream.queue.get_nowait()) is not None:
+                queue.put_nowait(item)
+        stream.queue.put_nowait(None)  # ends the older stream, if one reads it
+        stream.queue = queue
         while (item := await queue.get()) is not None:
             batch = [item]
             while not queue.empty() and (item := queue.get_nowait()) is not None:
@@ -134,13 +144,37 @@ class EngineActor:
             self._running.pop(rid, None)
             if failure is not None:
                 self._emit(failure)
+            self._owners.pop(rid, None)
             if self._requests is not None and first is not None:
                 self._requests.record(arrived, first, last, outputs)
 
+    def _subscribe(self, subscriber: str) -> _Stream:
+        """`subscriber`'s output stream (held until it opens `outputs()`). A new incarnation of
+        a frontend name (its process restarted) replaces the old one's stream and aborts the
+        requests the old one left here: nobody reads them any more."""
+        name = subscriber.partition("@")[0]
+        stream = self._streams.get(name)
+        if stream is not None and stream.subscriber == subscriber:
+            return stream
+        self._streams[name] = _Stream(subscriber, asyncio.Queue())
+        if stream is not None:
+            stream.queue.put_nowait(None)
+            orphans = [rid for rid, owner in self._owners.items() if owner == stream.subscriber]
+            if orphans:
+                logger.info("engine %s: frontend %s restarted; aborting %d request(s) its "
+                            "predecessor left", self._spec.replica_id, name, len(orphans))
+            for rid in orphans:
+                asyncio.get_running_loop().create_task(self.abort(rid))
+        return self._streams[name]
+
     def _emit(self, output: EngineOutput) -> None:
-        if self._outputs is None:
-            self._outputs = asyncio.Queue()  # held until the frontend opens `outputs()`
-        self._outputs.put_nowait(output)
+        subscriber = self._owners.get(output.request_id, "")
+        stream = self._streams.get(subscriber.partition("@")[0])
+        if stream is None:
+            stream = self._subscribe(subscriber)
+        if stream.subscriber == subscriber:
+            stream.queue.put_nowait(output)
+        # else: a dead frontend's request, aborted when its successor subscribed
 
     async def abort(self, request_id: str) -> None:
         """End a request early and release its KV; its remaining deltas are dropped."""
@@ -174,11 +208,19 @@ class EngineActor:
         for task in list(self._running.values()):
             task.cancel()
         await asyncio.gather(*self._running.values(), return_exceptions=True)
-        if self._outputs is not None:
-            self._outputs.put_nowait(None)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(None)
         await self._engine.shutdown()
         if self._requests is not None:
             self._requests.close()
+
+
+@dataclasses.dataclass(slots=True)
+class _Stream:
+    """One frontend's output queue on this engine."""
+
+    subscriber: str  # name@incarnation
+    queue: asyncio.Queue[EngineOutput | None]
 
 
 def _node_ip() -> str:

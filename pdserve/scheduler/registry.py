@@ -67,6 +67,11 @@ class EngineRecord:
     pins: int = 0  # prefilled requests whose KV a decode engine has not pulled yet
     reserved: int = 0  # requests placed here whose leg has not finished (may not have begun)
     in_flight: int = 0  # legs submitted to the engine and not ended
+    # The same counts of the other frontends' requests (ingress replicas: `set_peers`), as the
+    # controller last summed them: at most one sync interval old.
+    peer_queued_prefill_tokens: float = 0
+    peer_num_decoding: float = 0
+    peer_reserved: int = 0
     # Written by backends and simulators through the registry.
     kv_usage: float = 0.0
     healthy: bool = True  # False once the engine is known dead: no more routing to it
@@ -101,7 +106,10 @@ class EngineRecord:
                 and self.reserved == 0 and self.in_flight == 0)
 
     def load(self) -> EngineLoad:
-        key = (self.replica_id, self.queued_prefill_tokens, self.num_decoding, self.reserved,
+        queued = self.queued_prefill_tokens + self.peer_queued_prefill_tokens
+        decoding = self.num_decoding + self.peer_num_decoding
+        reserved = self.reserved + self.peer_reserved
+        key = (self.replica_id, queued, decoding, reserved,
                self.kv_usage, self.num_kv_blocks, self.block_size, self.healthy, self.ready,
                self.draining, self.stats_misses >= STATS_MISSES_UNROUTABLE)
         if key == self._load_key:
@@ -111,8 +119,8 @@ class EngineRecord:
         free = math.floor(self.num_kv_blocks * (1.0 - self.kv_usage))
         # Requests placed here but still prefilling elsewhere will join this engine's batch:
         # counting them keeps a burst of simultaneous placements from piling onto one engine.
-        batch = max(self.num_decoding, self.reserved)
-        self._load = EngineLoad(self.replica_id, self.queued_prefill_tokens, batch, free,
+        batch = max(decoding, reserved)
+        self._load = EngineLoad(self.replica_id, queued, batch, free,
                                 self.block_size, self.healthy, self.accepting)
         self._load_key = key
         return self._load
@@ -164,6 +172,15 @@ class EngineRegistry:
         if answering is not None:
             record.answering = answering
             record.stats_misses = 0 if answering else record.stats_misses + 1
+
+    def set_peers(self, pool: str, replica_id: str, queued_prefill_tokens: float,
+                  num_decoding: float, reserved: int) -> None:
+        """The other frontends' work on this engine (ingress replicas), as last synced."""
+        record = self._pools[pool].get(replica_id)
+        if record is not None:
+            record.peer_queued_prefill_tokens = queued_prefill_tokens
+            record.peer_num_decoding = num_decoding
+            record.peer_reserved = reserved
 
     def get(self, pool: str, replica_id: str) -> EngineRecord | None:
         return self._pools[pool].get(replica_id)

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from typing import Any
 
-from pdserve.autoscaler.controller import Autoscaler, scaling_policy_from_config
+from pdserve.autoscaler.controller import Autoscaler, SignalSource, scaling_policy_from_config
 from pdserve.autoscaler.policy import PoolBounds, ScalingDecision
 from pdserve.config.schema import PdserveConfig, PoolRole
 from pdserve.engine.types import EngineInfo
@@ -38,7 +38,8 @@ from pdserve.serving.backend import STATS_INTERVAL_S
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.slo import SloTargets
 from pdserve.serving.replicas import (
-    EnginePool, Replica, actor_options, create_replica, kill_all, request_resources, start_all,
+    EnginePool, Replica, actor_options, create_replica, kill_all, replica_index,
+    request_resources, start_all,
 )
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,10 @@ class PoolActuator:
         self._ledger = ledger
         self._metrics = metrics
         self._info = info
-        self._next_index = {role: len(pool.replicas) for role, pool in pools.items()}
+        # Replica ids are never reused (a re-attached controller finds 'decode-0', 'decode-2').
+        self._next_index = {role: 1 + max((replica_index(r.replica_id) for r in pool.replicas),
+                                          default=-1)
+                            for role, pool in pools.items()}
         self._loop_task: asyncio.Task[None] | None = None
         self._supervisor: asyncio.Task[None] | None = None
         # Supervision: each pool's size to keep, its recent replacements, replacements waiting
@@ -81,6 +85,9 @@ class PoolActuator:
         self._dead: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.autoscaler: Autoscaler | None = None
+        # What the autoscaler reads each pool's signals from: this ledger's traffic, or (the
+        # controller of several ingress replicas) every replica's, merged.
+        self.signals: SignalSource = ledger
         if config.autoscale.enabled:
             self.autoscaler = Autoscaler(
                 {role.value: PoolBounds(config.autoscale.bounds(role).min_replicas,
@@ -230,7 +237,7 @@ class PoolActuator:
         while True:
             await asyncio.sleep(interval)
             try:
-                for decision in self.autoscaler.evaluate(self._ledger, time.monotonic()):
+                for decision in self.autoscaler.evaluate(self.signals, time.monotonic()):
                     self._record(decision)
                     if decision.delta:
                         await self.scale_to(PoolRole(decision.pool), decision.target)

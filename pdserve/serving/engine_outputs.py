@@ -3,8 +3,10 @@
 Lifecycle: each `Replica` owns one `EngineOutputs`. A request `open()`s its queue (which starts
 the consumer task on first use), then submits to the actor, so no delta can arrive unrouted;
 its stream reads the queue with `next()` and `close()`s it when done. The consumer task holds
-ONE Ray stream, `EngineActor.outputs()`, and routes each batch of deltas to the requests'
-queues; deltas of closed requests are dropped. If the stream fails (the actor died) or ends,
+ONE Ray stream, `EngineActor.outputs(subscriber)`, and routes each batch of deltas to the
+requests' queues; deltas of closed requests are dropped. The subscriber (`name@incarnation`,
+this process's: `frontend_subscriber`) is how an engine shared by several frontends (ingress
+replicas) tells their requests apart. If the stream fails (the actor died) or ends,
 every open request gets the failure at once and the next `open()` starts a fresh consumer.
 `aclose()` cancels the consumer when the replica is stopped.
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,13 +34,29 @@ class StreamLost:
 
 RequestOutput = GenerateDelta | GenerateFailure | StreamLost
 
+_subscriber = f"frontend-{os.getpid()}@{uuid.uuid4().hex[:12]}"
+
+
+def frontend_subscriber() -> str:
+    """This process's name as engines' output streams know it: `name@incarnation`."""
+    return _subscriber
+
+
+def name_frontend(name: str) -> str:
+    """Name this process's frontend (an ingress replica: the same name after a restart, so
+    engines abort what its previous incarnation left running); a fresh incarnation."""
+    global _subscriber
+    _subscriber = f"{name}@{uuid.uuid4().hex[:12]}"
+    return _subscriber
+
 
 class EngineOutputs:
     """Routes one engine actor's output stream into per-request asyncio queues."""
 
-    def __init__(self, replica_id: str, actor: Any) -> None:
+    def __init__(self, replica_id: str, actor: Any, subscriber: str | None = None) -> None:
         self._replica_id = replica_id
         self._actor = actor  # ray.actor.ActorHandle, or any object with `outputs` (tests)
+        self.subscriber = subscriber or frontend_subscriber()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._consumer: asyncio.Task[None] | None = None
 
@@ -68,7 +88,7 @@ class EngineOutputs:
 
     async def _consume(self) -> None:
         try:
-            stream = self._actor.outputs.options(num_returns="streaming").remote()
+            stream = self._actor.outputs.options(num_returns="streaming").remote(self.subscriber)
             async for ref in stream:
                 for output in await ref:
                     queue = self._queues.get(output.request_id)

@@ -5,9 +5,11 @@ active pool (`replicas.py`), awaits their `start()` in parallel, registers them 
 ledger, and returns a backend ready to serve. Each request is admitted by the ledger and run by
 the request flow (`flow.py`) over `RayEngineChannel`s: a leg is submitted to its actor and its
 deltas come back through the actor's one multiplexed output stream (`engine_outputs.py`); a leg
-whose consumer stops early is aborted in its engine. With autoscaling on, the actuator
-(`actuator.py`) runs the scaling loop. `shutdown()` stops the actuator, then every engine, each
-in its own try block.
+whose consumer stops early is aborted in its engine. The pools' control keeps them at size and
+scales them: in one process, the actuator (`actuator.py`, with the autoscaling loop when on);
+in an ingress replica, the controller it syncs with (`ingress.py`), which also owns the
+engines. `shutdown()` stops the control, then every engine this backend owns, each in its own
+try block.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
@@ -55,7 +58,7 @@ class RayEngineChannel:
         replica.outputs.open(request.request_id)  # before submitting: no delta goes unrouted
         finished = False
         try:
-            await replica.actor.submit.remote(request)
+            await replica.actor.submit.remote(request, replica.outputs.subscriber)
             while True:
                 delta = _delta_or_raise(replica, await replica.outputs.next(request.request_id))
                 finished = delta.finished
@@ -84,12 +87,34 @@ class RayEngineChannel:
         await self._replica.actor.renew_kv.remote(kv_transfer_params)
 
 
+class PoolControl(Protocol):
+    """What keeps the pools at size: the actuator in one process, the controller for an
+    ingress replica."""
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def engine_died(self, replica: Replica, reason: str = "died") -> None: ...
+
+    def capacity_coming(self, pool: str) -> bool: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def publish_pool_sizes(self) -> None: ...
+
+
+# (pools, config, model, ledger, metrics, first engine's info) -> the control
+ControlFactory = Callable[..., PoolControl]
+
+
 class RayBackend:
     """Serves requests over the engine pools through the request ledger; scales the pools."""
 
     def __init__(self, pools: dict[PoolRole, EnginePool], config: PdserveConfig,
                  model: ResolvedModel, metrics: ServingMetrics | None = None,
-                 observer: Callable[[LedgerEvent], None] | None = None) -> None:
+                 observer: Callable[[LedgerEvent], None] | None = None,
+                 control: ControlFactory = PoolActuator, owns_engines: bool = True) -> None:
         self._pools = pools
         self._config = config
         self.metrics = metrics or ServingMetrics()
@@ -105,13 +130,15 @@ class RayBackend:
                 info = replica.info or self._info
                 self.ledger.engines.add(replica.pool.value, replica.replica_id, info.block_size,
                                         info.num_kv_blocks)
-        self.actuator = PoolActuator(pools, config, model, self.ledger, self.metrics, self._info)
+        self.control: PoolControl = control(pools, config, model, self.ledger, self.metrics,
+                                            self._info)
+        self._owns_engines = owns_engines
         options = FlowOptions(config.kv.failure_policy, config.serving.migration_limit,
                               config.engine.start_timeout_s, config.api.request_timeout_s,
                               config.kv.lease_s)
         self._flow = RequestFlow(self.ledger, self._channel, options, self.metrics,
                                  self._serving_pool.value,
-                                 capacity_coming=self.actuator.capacity_coming)
+                                 capacity_coming=self.control.capacity_coming)
 
     @classmethod
     async def launch(cls, config: PdserveConfig, model: ResolvedModel,
@@ -132,7 +159,7 @@ class RayBackend:
         for replica, info in zip(replicas, infos, strict=True):
             replica.info = info
         backend = cls(pools, config, model, metrics, observer)
-        backend.actuator.start()
+        backend.control.start()
         return backend
 
     @property
@@ -163,7 +190,7 @@ class RayBackend:
     def _channel(self, pool: str, replica_id: str) -> RayEngineChannel:
         for replica in self._pools[PoolRole(pool)].replicas:
             if replica.replica_id == replica_id:
-                return RayEngineChannel(replica, self.actuator.engine_died)
+                return RayEngineChannel(replica, self.control.engine_died)
         raise EngineUnavailableError(f"engine {replica_id} is gone")
 
     # --- stats ------------------------------------------------------------------------------
@@ -178,7 +205,7 @@ class RayBackend:
         for replica, result in zip(replicas, results, strict=True):
             pool, rid = replica.pool.value, replica.replica_id
             if isinstance(result, EngineStats) and result.dead:
-                self.actuator.engine_died(replica)
+                self.control.engine_died(replica)
                 continue
             if isinstance(result, EngineStats):
                 stats.append(result)
@@ -190,21 +217,26 @@ class RayBackend:
             # Ray's transient unavailability is only counted: routing skips an engine that
             # keeps missing, the supervisor replaces one silent past the liveness timeout.
             if isinstance(result, RayActorError) and not isinstance(result, ActorUnavailableError):
-                self.actuator.engine_died(replica)
+                self.control.engine_died(replica)
             logger.warning("engine %s did not answer stats: %r", rid, result)
-        self.actuator.publish_pool_sizes()
+        self.control.publish_pool_sizes()
         return stats
 
     def health(self) -> dict:
-        """ready / degraded / down, per pool (`PoolActuator.health`)."""
-        return self.actuator.health()
+        """ready / degraded / down, per pool (the control's)."""
+        return self.control.health()
 
     def healthy(self) -> bool:
         return self.health()["status"] != "down"
 
     async def shutdown(self) -> None:
-        await self.actuator.stop()
-        await kill_all([r for p in self._pools.values() for r in p.replicas])
+        await self.control.stop()
+        replicas = [r for p in self._pools.values() for r in p.replicas]
+        if self._owns_engines:
+            await kill_all(replicas)
+        else:  # an ingress replica: the engines are the controller's, only the streams are ours
+            for replica in replicas:
+                await replica.outputs.aclose()
 
 
 async def _fetch_stats(replica: Replica) -> EngineStats:

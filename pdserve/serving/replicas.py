@@ -58,6 +58,14 @@ def _on_gpu(config: PdserveConfig) -> bool:
     )
 
 
+def owned_by_deployment(config: PdserveConfig) -> bool:
+    """Whether the engines belong to the deployment rather than to the process that started
+    them: on a cluster (`ray.address`), or with several ingress replicas (`api.replicas`). The
+    controller (`controller.py`) owns them then, as detached actors: a frontend or controller
+    that dies takes no engine with it."""
+    return config.ray.address is not None or config.api.replicas > 1
+
+
 def actor_options(config: PdserveConfig, role: PoolRole, replica_id: str) -> dict[str, Any]:
     """Ray placement of one engine actor, from its pool's config."""
     pool = config.pools.for_role(role)
@@ -72,6 +80,7 @@ def actor_options(config: PdserveConfig, role: PoolRole, replica_id: str) -> dic
         "resources": dict(pool.resources),
         # One actor serves many concurrent streams on its event loop.
         "max_concurrency": 4096,
+        **({"lifetime": "detached"} if owned_by_deployment(config) else {}),
     }
 
 
@@ -86,6 +95,11 @@ def with_cluster_token(config: PdserveConfig) -> PdserveConfig:
 def replica_id_of(role: PoolRole, index: int) -> str:
     """The id (and Ray actor name) of engine `index` of `role`'s pool: 'prefill-0'."""
     return f"{role.value}-{index}"
+
+
+def replica_index(replica_id: str) -> int:
+    """'prefill-3' -> 3."""
+    return int(replica_id.rsplit("-", 1)[1])
 
 
 def split_cores(cores: Sequence[int], replica_ids: Sequence[str]) -> dict[str, str]:

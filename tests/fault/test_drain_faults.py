@@ -50,7 +50,7 @@ async def test_an_engine_killed_while_draining_is_not_replaced_and_loses_no_requ
         placed = {stream.engines["decode"] for stream in streams}
         assert len(placed) == 2, placed  # one stream on each engine
         # A scale-down to one engine drains one of them; it waits for its stream to end.
-        await backend.actuator.scale_to(PoolRole.COLOCATED, 1)
+        await backend.control.scale_to(PoolRole.COLOCATED, 1)
         await asyncio.sleep(0.2)
         draining = [r for r in backend.replicas(PoolRole.COLOCATED)
                     if backend.ledger.engine("colocated", r.replica_id).draining]

@@ -48,7 +48,7 @@ def request(rid: str, max_tokens: int) -> GenerateRequest:
 async def run(actor, outputs: EngineOutputs, req: GenerateRequest, received: list) -> None:
     outputs.open(req.request_id)
     try:
-        await actor.submit.remote(req)
+        await actor.submit.remote(req, outputs.subscriber)
         while True:
             output = await outputs.next(req.request_id)
             received.append(output)

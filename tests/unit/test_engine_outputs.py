@@ -35,15 +35,15 @@ class InProcessHandle:
     def options(self, **_: object) -> InProcessHandle:
         return self
 
-    def remote(self) -> AsyncIterator:
+    def remote(self, subscriber: str = "") -> AsyncIterator:
         self.opened += 1
-        return self._stream()
+        return self._stream(subscriber)
 
     def fail(self) -> None:
         self._broken.set()
 
-    async def _stream(self) -> AsyncIterator:
-        batches = self.actor.outputs()
+    async def _stream(self, subscriber: str) -> AsyncIterator:
+        batches = self.actor.outputs(subscriber)
         broken = asyncio.ensure_future(self._broken.wait())
         batch = None
         try:
@@ -89,7 +89,7 @@ async def run(actor: EngineActor, outputs: EngineOutputs, req: GenerateRequest) 
     """One request as `RayBackend._stream` runs it: register, submit, read until the end."""
     outputs.open(req.request_id)
     try:
-        await actor.submit(req)
+        await actor.submit(req, outputs.subscriber)
         received = []
         while True:
             output = await outputs.next(req.request_id)
@@ -139,7 +139,7 @@ async def test_an_abort_ends_that_request_only(served):
     actor, _, outputs = served
     long = [asyncio.create_task(run(actor, outputs, request(f"keep{i}", 60))) for i in range(3)]
     outputs.open("gone")
-    await actor.submit(request("gone", 1000))
+    await actor.submit(request("gone", 1000), outputs.subscriber)
     assert isinstance(await outputs.next("gone"), GenerateDelta)
     outputs.close("gone")  # the client went away
     await actor.abort("gone")
@@ -264,3 +264,46 @@ async def test_with_step_tracing_the_actor_records_each_requests_submit_first_an
         await asyncio.sleep(0.01)
     await plain.shutdown()
     assert plain._requests is None
+
+
+async def test_two_frontends_each_read_their_own_requests():
+    """Ingress replicas share an engine: each reads only the deltas of what it submitted."""
+    actor = engine_actor()
+    await actor.start()
+    handle = InProcessHandle(actor)
+    a = EngineOutputs("colocated-0", handle, "ingress-0@one")
+    b = EngineOutputs("colocated-0", handle, "ingress-1@one")
+    results = await asyncio.gather(run(actor, a, request("ra", 7)), run(actor, b, request("rb", 9)))
+    assert [d.request_id for d in results[0]] == ["ra"] * 7
+    assert [d.request_id for d in results[1]] == ["rb"] * 9
+    assert handle.opened == 2
+    await a.aclose()
+    await b.aclose()
+    await actor.shutdown()
+
+
+async def test_a_restarted_frontend_aborts_what_its_predecessor_left():
+    """A frontend process that died left requests running; its successor (same name, new
+    incarnation) subscribing aborts them, and the other frontend's requests go on."""
+    actor = engine_actor()
+    await actor.start()
+    handle = InProcessHandle(actor)
+    dead = EngineOutputs("colocated-0", handle, "ingress-0@old")
+    other = EngineOutputs("colocated-0", handle, "ingress-1@one")
+    dead.open("orphan")
+    await actor.submit(request("orphan", 100_000), dead.subscriber)
+    assert isinstance(await dead.next("orphan"), GenerateDelta)
+    kept = asyncio.create_task(run(actor, other, request("kept", 50)))
+    await dead.aclose()  # the process is gone: nobody reads its stream
+    successor = EngineOutputs("colocated-0", handle, "ingress-0@new")
+    fresh = await run(actor, successor, request("fresh", 5))
+    assert [d.num_output_tokens for d in fresh] == [1, 2, 3, 4, 5]
+    for _ in range(100):
+        if "orphan" not in actor._running:
+            break
+        await asyncio.sleep(0.01)
+    assert "orphan" not in actor._running
+    assert [d.num_output_tokens for d in await kept] == list(range(1, 51))
+    for outputs in (successor, other):
+        await outputs.aclose()
+    await actor.shutdown()

@@ -1,0 +1,130 @@
+"""`pdserve serve` for a deployment: a controller, its engines and N ingress replicas.
+
+Used when the engines belong to the deployment (`replicas.owned_by_deployment`: a cluster, or
+api.replicas > 1). The pdserve process then serves nothing itself: it starts (or finds, by
+name) the controller (`serving/controller.py`), which launches the engines, then the ingress
+replicas (`ingress.py`), each a detached actor that Ray restarts when its process dies,
+prints the ready line and waits. SIGINT or SIGTERM takes the deployment down: every replica
+drains (running requests may finish within api.shutdown_grace_s), then the controller stops
+the engines, then the actors go.
+
+If this process dies instead (SIGKILL, a lost SSH session), the deployment keeps serving: the
+actors are detached. Running `pdserve serve` again with the same namespace attaches to it
+(nothing restarts) and owns it from then on. In local mode (no ray.address) the Ray instance
+is this process's own, so its end still takes everything with it (`service.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import time
+from typing import Any
+
+import ray
+
+from pdserve.api.guard import AccessPolicy
+from pdserve.config.schema import PdserveConfig
+from pdserve.models.embedded import ResolvedModel
+from pdserve.serving.controller import CONTROLLER_NAME, Controller
+from pdserve.ingress import Ingress, ingress_name
+from pdserve.serving.replicas import with_cluster_token
+
+logger = logging.getLogger("pdserve")
+
+# How long each replica's drain, then the controller's shutdown, may take at the end.
+_STOP_TIMEOUT_S = 120.0
+
+
+async def serve_deployment(config: PdserveConfig, model: ResolvedModel, access: AccessPolicy,
+                           started: float, summary: str) -> None:
+    """Start or attach to the deployment, print the ready line, stop it on SIGINT/SIGTERM."""
+    config = with_cluster_token(config)  # engines started later (replacements) share it
+    if config.api.port == 0:
+        config = _with_port(config, free_port(config.api.host))
+    controller = _controller(config, model)
+    replicas: list[Any] = []
+    try:
+        await controller.start.remote()
+        replicas = [_ingress(config, model, i, access) for i in range(config.api.replicas)]
+        infos = await asyncio.gather(*(r.start.remote() for r in replicas))
+    except BaseException:
+        logger.error("the deployment did not start; removing what started")
+        await stop_deployment(config, replicas, controller)
+        raise
+    scheme = "https" if config.api.ssl_certfile else "http"
+    nodes = sorted({info["node_ip"] for info in infos})
+    print(f"pdserve ready: {scheme}://{config.api.host}:{config.api.port}/v1 serving "
+          f"{model.served_name} ({summary} engine(s), {len(replicas)} ingress replica(s) on "
+          f"{len(nodes)} node(s), started in {time.perf_counter() - started:.1f} s)", flush=True)
+    await _until_signalled()
+    logger.info("stopping the deployment: draining %d ingress replica(s)", len(replicas))
+    await stop_deployment(config, replicas, controller)
+
+
+async def stop_deployment(config: PdserveConfig, replicas: list[Any], controller: Any) -> None:
+    """Drain every replica, stop the engines, then remove the actors; each step on its own."""
+    drains = await asyncio.gather(
+        *(asyncio.wait_for(r.drain.remote(), _STOP_TIMEOUT_S) for r in replicas),
+        return_exceptions=True)
+    for replica, result in zip(replicas, drains, strict=True):
+        if isinstance(result, BaseException):
+            logger.warning("ingress replica did not drain cleanly: %r", result)
+        _kill(replica)
+    try:
+        await asyncio.wait_for(controller.shutdown.remote(), _STOP_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - the actor goes anyway
+        logger.warning("controller did not stop the engines cleanly: %r", e)
+    _kill(controller)
+
+
+def _controller(config: PdserveConfig, model: ResolvedModel) -> Any:
+    """The deployment's controller: the running one (attach) or a new one."""
+    return ray.remote(Controller).options(
+        name=CONTROLLER_NAME, namespace=config.ray.namespace, get_if_exists=True,
+        lifetime="detached", max_restarts=-1, num_cpus=0, max_concurrency=1024,
+    ).remote(config.without_api_secrets(), model)
+
+
+def _ingress(config: PdserveConfig, model: ResolvedModel, index: int,
+             access: AccessPolicy) -> Any:
+    # The replica authenticates clients, so it gets the API keys (as actor arguments, which
+    # anyone who may run code on the cluster can read: Ray's token auth guards them).
+    return ray.remote(Ingress).options(
+        name=ingress_name(index), namespace=config.ray.namespace, get_if_exists=True,
+        lifetime="detached", max_restarts=-1, num_cpus=config.api.replica_num_cpus,
+        max_concurrency=64, scheduling_strategy="SPREAD",
+    ).remote(config, model, index, CONTROLLER_NAME, access)
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("could not remove actor: %r", e)
+
+
+def free_port(host: str) -> int:
+    """A port free on this host now (every replica then binds it: api.port 0 must not give
+    each replica, or a restarted one, a port of its own)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _with_port(config: PdserveConfig, port: int) -> PdserveConfig:
+    return config.model_copy(update={"api": config.api.model_copy(update={"port": port})})
+
+
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
