@@ -279,6 +279,8 @@ class BlockSink(ABC):
         self.layout = layout
         self.regions = tuple(regions)
         self.region_infos = tuple(r.info() for r in self.regions)
+        # Blocks every region holds; computed once (regions never change), read by every pull.
+        self.num_blocks = min((r.num_blocks for r in self.regions), default=0)
         self.engine_id = engine_id
         self._cluster_token = cluster_token
         self._views: dict[tuple[int, int], tuple[BlockRegion, ...]] = {}
@@ -339,7 +341,7 @@ class BlockSink(ABC):
             return f"{len(src)} source blocks but {len(dst)} destination blocks"
         if len(set(dst)) != len(dst):
             return "destination block ids repeat"
-        limit = min(r.num_blocks for r in self.regions) if self.regions else 0
+        limit = self.num_blocks
         bad = [b for b in dst if not 0 <= b < limit]
         if bad:
             return f"destination block ids {bad[:5]} out of range [0, {limit})"

@@ -56,7 +56,10 @@ _BLOCK_ELEMS = 4096
 
 
 @dataclass(frozen=True, slots=True)
-class _RegionRuns:
+class RegionRuns:
+    """One region's blocks as equal contiguous runs (`describe`); also what a cuda_ipc source
+    sends of its regions (peer_copy)."""
+
     base: int  # data_ptr of the region's tensor
     block_stride: int  # bytes between consecutive blocks
     offsets: tuple[int, ...]  # byte offset of each run inside a block
@@ -82,14 +85,14 @@ class RunTable:
         device, or a region does not qualify. Called once per endpoint (or set of regions)."""
         if triton is None or not regions or any(r.tensor.device.type != "cuda" for r in regions):
             return None
-        table = cls.from_runs([_describe(r) for r in regions])
+        table = cls.from_runs([describe(r) for r in regions])
         device = regions[0].tensor.device
         if table is None or not _kernel_works(device):
             return None
         return table.uploaded(device)
 
     @classmethod
-    def from_runs(cls, described: Sequence[_RegionRuns | None]) -> RunTable | None:
+    def from_runs(cls, described: Sequence[RegionRuns | None]) -> RunTable | None:
         """The table of regions whose runs are all alike in count and length and whose blocks
         leave no padding between pieces in staging, else None. Host arrays only."""
         if not described or any(d is None for d in described):
@@ -210,7 +213,7 @@ def kernel_round_trip(device: torch.device) -> bool:
     into blocks [1, 2]; True if both match torch's answer. Also run by the tests."""
     shape = (2, 4, 1024)  # [K/V, blocks, 1024 int32]: two 4 KiB runs per block
     regions = [torch.arange(8192, dtype=torch.int32, device=device).view(shape) + (r << 20) for r in range(2)]
-    table = RunTable.from_runs([_describe(BlockRegion(t, 1)) for t in regions]).uploaded(device)
+    table = RunTable.from_runs([describe(BlockRegion(t, 1)) for t in regions]).uploaded(device)
     staging = torch.zeros(4 * 2 * 1024, dtype=torch.int32, device=device)
     ids = torch.tensor([3, 0], dtype=torch.int64, device=device)
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -224,7 +227,8 @@ def kernel_round_trip(device: torch.device) -> bool:
     return torch.equal(staging, expected) and scattered
 
 
-def _describe(region: BlockRegion) -> _RegionRuns | None:
+def describe(region: BlockRegion) -> RegionRuns | None:
+    """The region's runs, or None unless every run, stride and address is 16-byte aligned."""
     tensor = region.tensor
     runs = blocks._runs_of(
         tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size(), region.block_dim
@@ -233,7 +237,7 @@ def _describe(region: BlockRegion) -> _RegionRuns | None:
         return None
     if runs.block_stride % _WORD_BYTES or any(o % _WORD_BYTES for o in runs.offsets):
         return None
-    return _RegionRuns(tensor.data_ptr(), runs.block_stride, runs.offsets, runs.run_bytes)
+    return RegionRuns(tensor.data_ptr(), runs.block_stride, runs.offsets, runs.run_bytes)
 
 
 if triton is not None:

@@ -60,8 +60,8 @@ def ring_round_trip(device: str, mover: str) -> None:
         generator = torch.Generator().manual_seed(staging_bytes)
         src_ids = torch.randperm(20, generator=generator)[:num_blocks].tolist()
         dst_ids = torch.randperm(20, generator=generator)[:num_blocks].tolist()
-        gather_table = gpu_copy.RunTable.from_runs([gpu_copy._describe(r) for r in src])
-        scatter_table = gpu_copy.RunTable.from_runs([gpu_copy._describe(r) for r in dst])
+        gather_table = gpu_copy.RunTable.from_runs([gpu_copy.describe(r) for r in src])
+        scatter_table = gpu_copy.RunTable.from_runs([gpu_copy.describe(r) for r in dst])
         if mover == "kernel":
             gather_table = gather_table.uploaded(torch.device(device))
             scatter_table = scatter_table.uploaded(torch.device(device))
@@ -124,7 +124,7 @@ def test_regions_without_long_aligned_runs_use_torch_copies():
     cpu_like = BlockRegion(torch.zeros(8, 2, 4, 16, dtype=torch.float16), 0)
     assert gpu_copy.RunTable.build([cpu_like]) is None  # CPU tensors never qualify
     tiny_runs = BlockRegion(torch.zeros(2, 8, 4, 2, 8, dtype=torch.float16), 1)  # 128-byte runs
-    assert gpu_copy._describe(tiny_runs) is None
+    assert gpu_copy.describe(tiny_runs) is None
     odd_block = BlockRegion(torch.zeros(8, 3, 272, dtype=torch.float16), 0)  # one 1632-byte run
-    described = gpu_copy._describe(odd_block)
+    described = gpu_copy.describe(odd_block)
     assert described is not None and gpu_copy.RunTable.from_runs([described]) is None  # 1632 % 64
