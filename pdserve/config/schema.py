@@ -180,9 +180,11 @@ class PoolsConfig(_Section):
 class KVTransferConfig(_Section):
     """How prefill engines hand KV blocks to decode engines (disaggregated mode)."""
 
-    transport: Literal["grpc", "nccl"] = Field(
+    transport: Literal["grpc", "nccl", "cuda_ipc"] = Field(
         "grpc", description="'grpc' streams blocks over TCP (any host to any host); 'nccl' sends "
-        "them GPU to GPU over a per-pair communicator (gloo on CPU-only hosts).",
+        "them GPU to GPU over a per-pair communicator (gloo on CPU-only hosts); 'cuda_ipc' copies "
+        "them straight from the prefill GPU's KV cache into the decode GPU's (CUDA IPC, one kernel "
+        "per pull) for engines on one node, else over NCCL (a decode worker logs why, once per source).",
     )
     cluster_token: str | None = Field(
         None, description="Shared secret peers prove at handshake; default: a random token "

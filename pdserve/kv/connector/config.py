@@ -27,7 +27,7 @@ __all__ = ["CONNECTOR_NAME", "ConnectorConfig", "kv_transfer_config", "vllm_kv_t
 
 CONNECTOR_NAME = "PdserveConnector"
 CONNECTOR_MODULE = "pdserve.kv.connector"
-TRANSPORTS = ("grpc", "nccl")
+TRANSPORTS = ("grpc", "nccl", "cuda_ipc")
 FAILURE_POLICIES = ("recompute", "fail")
 # pdserve's pool names and vLLM's role names, both accepted by kv_transfer_config().
 _ROLES = {

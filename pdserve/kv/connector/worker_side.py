@@ -66,7 +66,8 @@ class Transports(Protocol):
 
 
 class NetworkTransports:
-    """gRPC or NCCL endpoints from the connector config. An NCCL source serves gRPC pulls too,
+    """gRPC, NCCL or cuda_ipc endpoints from the connector config. An NCCL source serves gRPC
+    pulls too, and a cuda_ipc source NCCL pulls (its sinks' fallback where IPC cannot map it),
     so a decode worker pulls over whichever transport a request names."""
 
     def __init__(self, config: ConnectorConfig):
@@ -82,6 +83,7 @@ class NetworkTransports:
         tp_rank: int,
     ) -> BlockSource:
         """Starts serving at once (binds the port); called once per producer worker."""
+        from pdserve.kv.transport.cuda_ipc import CudaIpcSource
         from pdserve.kv.transport.grpc import GrpcSource
         from pdserve.kv.transport.nccl import NcclSource
 
@@ -96,8 +98,9 @@ class NetworkTransports:
             advertise_host=self.config.host,
             tls=self.config.tls,
         )
-        if self.config.transport == "nccl":
-            return NcclSource(
+        if self.config.transport in ("nccl", "cuda_ipc"):
+            kind = CudaIpcSource if self.config.transport == "cuda_ipc" else NcclSource
+            return kind(
                 layout,
                 regions,
                 nccl_api=self.config.nccl_api,
@@ -111,6 +114,7 @@ class NetworkTransports:
         self, transport: str, layout: KVLayoutSpec, regions: Sequence[BlockRegion], *, engine_id: str
     ) -> BlockSink:
         """A sink pulling over `transport`; called on the first pull that names it."""
+        from pdserve.kv.transport.cuda_ipc import CudaIpcSink
         from pdserve.kv.transport.grpc import GrpcSink
         from pdserve.kv.transport.nccl import NcclSink
 
@@ -122,6 +126,8 @@ class NetworkTransports:
         )
         if transport == "nccl":
             return NcclSink(layout, regions, nccl_api=self.config.nccl_api, **options)
+        if transport == "cuda_ipc":  # NCCL pairs where CUDA IPC cannot map the source
+            return CudaIpcSink(layout, regions, nccl_api=self.config.nccl_api, **options)
         return GrpcSink(layout, regions, **options)
 
 
@@ -223,7 +229,7 @@ class WorkerSide:
 
     def _sink(self, transport: str) -> BlockSink:
         # Every source serves gRPC, so a transport this worker does not know falls back to it.
-        transport = transport if transport in ("grpc", "nccl") else "grpc"
+        transport = transport if transport in ("grpc", "nccl", "cuda_ipc") else "grpc"
         if transport not in self._sinks:
             assert self.layout is not None
             self._sinks[transport] = self.transports.make_sink(

@@ -12,6 +12,9 @@
 - `grpc`: portable implementation (chunked server stream) and the NCCL path's side channel.
 - `control`: the NCCL path's per-pair control connection (one TCP socket, msgpack frames).
 - `nccl`: per-pair torch.distributed groups (NCCL on CUDA, gloo on CPU) with staged batches.
+- `cuda_ipc`: engines on one node: the sink maps the source's KV cache once (CUDA IPC:
+  `ipc_memory`) and each pull is one kernel from the source's blocks into its own (`peer_copy`),
+  pipelined over a per-source link (`ipc_link`); NCCL where IPC cannot map the source.
 - `blocks`, `leases`, `heads`, `wire`: shared helpers (block copies, pins and leases, KV heads
   across TP sizes, protobuf mapping).
 
