@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.api.guard import AccessPolicy
 from pdserve.config.schema import PdserveConfig
@@ -48,14 +49,16 @@ async def serve_deployment(config: PdserveConfig, model: ResolvedModel, access: 
     replicas: list[Any] = []
     try:
         await controller.start.remote()
-        replicas = [_ingress(config, model, i, access) for i in range(config.api.replicas)]
+        nodes = alive_nodes()
+        replicas = [_ingress(config, model, i, access, nodes[i % len(nodes)])
+                    for i in range(config.api.replicas)]
         infos = await asyncio.gather(*(r.start.remote() for r in replicas))
     except BaseException:
         logger.error("the deployment did not start; removing what started")
         await stop_deployment(config, replicas, controller)
         raise
     scheme = "https" if config.api.ssl_certfile else "http"
-    nodes = sorted({info["node_ip"] for info in infos})
+    nodes = {info["node_id"] for info in infos}
     print(f"pdserve ready: {scheme}://{config.api.host}:{config.api.port}/v1 serving "
           f"{model.served_name} ({summary} engine(s), {len(replicas)} ingress replica(s) on "
           f"{len(nodes)} node(s), started in {time.perf_counter() - started:.1f} s)", flush=True)
@@ -89,14 +92,29 @@ def _controller(config: PdserveConfig, model: ResolvedModel) -> Any:
 
 
 def _ingress(config: PdserveConfig, model: ResolvedModel, index: int,
-             access: AccessPolicy) -> Any:
-    # The replica authenticates clients, so it gets the API keys (as actor arguments, which
-    # anyone who may run code on the cluster can read: Ray's token auth guards them).
+             access: AccessPolicy, node_id: str) -> Any:
+    # Replica i goes to node i mod nodes (soft: elsewhere if that node is gone or full): the
+    # first on this process's node (where api.host is meant), the others spread over the
+    # nodes as Ray Serve's per-node proxies are. The replica
+    # authenticates clients, so it gets the API keys (as actor arguments, which anyone who may
+    # run code on the cluster can read: Ray's token auth guards them).
     return ray.remote(Ingress).options(
         name=ingress_name(index), namespace=config.ray.namespace, get_if_exists=True,
         lifetime="detached", max_restarts=-1, num_cpus=config.api.replica_num_cpus,
-        max_concurrency=64, scheduling_strategy="SPREAD",
+        max_concurrency=64,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
     ).remote(config, model, index, CONTROLLER_NAME, access)
+
+
+def alive_nodes() -> list[str]:
+    """The cluster's live nodes' ids: this process's node first, then the others by address."""
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    ordered = sorted(nodes, key=lambda n: (n["NodeID"] != here, n["NodeManagerAddress"],
+                                           n["NodeID"]))
+    logger.info("ingress replicas go to the nodes in this order: %s",
+                ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})" for n in ordered))
+    return [n["NodeID"] for n in ordered]
 
 
 def _kill(actor: Any) -> None:

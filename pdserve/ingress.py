@@ -209,6 +209,7 @@ class Ingress:
 
     async def info(self) -> dict[str, Any]:
         return {"name": self._name, "pid": os.getpid(), "port": self._port,
+                "node_id": ray.get_runtime_context().get_node_id(),
                 "node_ip": ray.util.get_node_ip_address()}
 
     async def drain(self) -> None:

@@ -372,7 +372,8 @@ class ApiConfig(_Section):
     sync_interval_s: float = Field(
         0.05, gt=0, le=10, description="How often each ingress replica swaps its books with the "
         "controller: how late it sees the other replicas' placements (plus one actor call).")
-    replica_num_cpus: float = Field(0.0, ge=0, description="Ray CPUs each ingress replica reserves.")
+    replica_num_cpus: float = Field(0.01, gt=0, description="Ray CPUs each ingress replica "
+                                    "reserves (> 0: Ray's soft node affinity ignores a 0-CPU actor).")
     max_queued_requests: int = Field(
         1024, ge=1, description="Requests admitted but not finished before new ones get 429."
     )

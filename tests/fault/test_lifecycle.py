@@ -175,6 +175,26 @@ def test_sigkilled_server_leaves_no_ray_process_nor_port_and_its_port_serves_aga
 
 
 @pytest.mark.integration
+def test_sigkilled_server_with_ingress_replicas_leaves_nothing_behind(tmp_path):
+    """Local mode with two ingress replicas (a controller and detached actors on pdserve's own
+    Ray instance): one command still owns everything, its death takes everything."""
+    model = save_tiny_model(tmp_path / "tiny-model")
+    server = serve(mock_args(model, "--mode", "disaggregated", "--prefill", "1", "--decode", "1",
+                             "--ingress-replicas", "2"), free_port(), tmp_path / "pdserve.log")
+    session = Session.of(server)
+    try:
+        complete(server)
+        names = [_cmdline(p) for p in session.running()]
+        assert sum(n.startswith("ray::Ingress") for n in names) == 2, names
+        assert sum(n.startswith("ray::Controller") for n in names) == 1, names
+        sigkill_and_check(server)
+        assert port_is_free(server.port)
+    finally:
+        server.stop()
+        session.kill_leftovers()
+
+
+@pytest.mark.integration
 def test_sigkilled_vllm_server_leaves_no_engine_core_behind(tmp_path):
     """The real CPU engine: its vLLM engine core is a subprocess of the engine actor."""
     server = serve(["--model", "embedded", "--mode", "colocated", "--replicas", "1"],
@@ -271,6 +291,14 @@ def test_sigterm_cuts_a_stream_past_the_grace_and_still_exits_0(tmp_path):
     chunks, done = _sigterm_during_a_stream(tmp_path, 1000, "--set", "api.shutdown_grace_s=1")
     assert not done and len(chunks) < 1000, len(chunks)
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+
+
+@pytest.mark.integration
+def test_sigterm_drains_every_ingress_replica_and_exits_0(tmp_path):
+    # Two replicas share the port; the stream's replica drains it within the grace (8 s of
+    # 30), then the deployment stops and nothing of it is left.
+    chunks, done = _sigterm_during_a_stream(tmp_path, 160, "--ingress-replicas", "2")
+    assert done and len(chunks) == 160, len(chunks)
 
 
 @pytest.mark.integration

@@ -15,15 +15,14 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from pdserve.testing import save_tiny_model
 from pdserve.testing.burst import Phase, run_phases
+from pdserve.testing.ray_cluster import stop_cluster
 from pdserve.testing.server import free_port, start_server
 
 pytestmark = pytest.mark.integration
@@ -34,31 +33,6 @@ HERE = Path(__file__).parent
 def _ray_env() -> dict[str, str]:
     return {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_enable_autoscaler_v2": "0",
             "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
-
-
-def _cluster_processes(port: int) -> list[psutil.Process]:
-    """Every process of the cluster whose GCS listens on `port` (and nothing else's)."""
-    marks = (f":{port}", f"--gcs_server_port={port}", f"--gcs-server-port={port}")
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if any(m in cmd for m in marks):
-            found.append(p)
-    return found
-
-
-def _stop_cluster(port: int) -> None:
-    # `ray stop` would stop every Ray on the machine; stop only this cluster's processes.
-    for _ in range(3):
-        procs = _cluster_processes(port)
-        if not procs:
-            return
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=10)
 
 
 def _nodes(address: str) -> list[dict]:
@@ -94,17 +68,13 @@ def cluster(tmp_path_factory):
          f"--autoscaling-config={config_path}"],
         capture_output=True, text=True, timeout=180, env=_ray_env())
     if head.returncode != 0:
-        _stop_cluster(port)
+        stop_cluster(port)
         pytest.fail(f"ray start failed:\n{head.stdout[-2000:]}\n{head.stderr[-2000:]}")
     address = f"127.0.0.1:{port}"
     try:
         yield address
     finally:
-        _stop_cluster(port)
-        # `ray start` recorded this cluster as the machine's default for ray.init(); forget it.
-        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
-        if current.exists() and current.read_text().strip().endswith(f":{port}"):
-            current.unlink()
+        stop_cluster(port)
 
 
 def test_a_prefill_scale_up_brings_up_a_prefill_node(cluster, tmp_path, monkeypatch):
