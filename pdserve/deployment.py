@@ -28,15 +28,19 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pdserve.api.guard import AccessPolicy
 from pdserve.config.schema import PdserveConfig
+from pdserve.errors import EngineStartError
 from pdserve.models.embedded import ResolvedModel
 from pdserve.serving.controller import CONTROLLER_NAME, Controller
-from pdserve.ingress import Ingress, ingress_name
+from pdserve.ingress import Ingress
+from pdserve.serving.cluster import ingress_name
 from pdserve.serving.replicas import with_cluster_token
 
 logger = logging.getLogger("pdserve")
 
 # How long each replica's drain, then the controller's shutdown, may take at the end.
 _STOP_TIMEOUT_S = 120.0
+# How long the ingress replicas may take to be placed and serve (a tokenizer load each).
+_REPLICA_START_TIMEOUT_S = 300.0
 
 
 async def serve_deployment(config: PdserveConfig, model: ResolvedModel, access: AccessPolicy,
@@ -52,7 +56,13 @@ async def serve_deployment(config: PdserveConfig, model: ResolvedModel, access: 
         nodes = alive_nodes()
         replicas = [_ingress(config, model, i, access, nodes[i % len(nodes)])
                     for i in range(config.api.replicas)]
-        infos = await asyncio.gather(*(r.start.remote() for r in replicas))
+        try:
+            infos = await asyncio.wait_for(asyncio.gather(*(r.start.remote() for r in replicas)),
+                                           _REPLICA_START_TIMEOUT_S)
+        except TimeoutError:
+            raise EngineStartError(
+                f"the ingress replicas did not start within {_REPLICA_START_TIMEOUT_S:.0f} s: "
+                "is there room for them (api.replica_num_cpus each; `ray status`)?") from None
     except BaseException:
         logger.error("the deployment did not start; removing what started")
         await stop_deployment(config, replicas, controller)
@@ -68,19 +78,15 @@ async def serve_deployment(config: PdserveConfig, model: ResolvedModel, access: 
 
 
 async def stop_deployment(config: PdserveConfig, replicas: list[Any], controller: Any) -> None:
-    """Drain every replica, stop the engines, then remove the actors; each step on its own."""
-    drains = await asyncio.gather(
-        *(asyncio.wait_for(r.drain.remote(), _STOP_TIMEOUT_S) for r in replicas),
-        return_exceptions=True)
-    for replica, result in zip(replicas, drains, strict=True):
-        if isinstance(result, BaseException):
-            logger.warning("ingress replica did not drain cleanly: %r", result)
-        _kill(replica)
+    """The controller drains every replica, stops the engines and removes the actors
+    (`Controller.stop`: it finishes even if this process is killed meanwhile, as `ray job
+    stop` does after 3 s); whatever is left after that is removed from here."""
     try:
-        await asyncio.wait_for(controller.shutdown.remote(), _STOP_TIMEOUT_S)
-    except Exception as e:  # noqa: BLE001 - the actor goes anyway
-        logger.warning("controller did not stop the engines cleanly: %r", e)
-    _kill(controller)
+        await asyncio.wait_for(controller.stop.remote(), config.api.shutdown_grace_s + _STOP_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - the actors go anyway
+        logger.warning("the controller did not stop the deployment cleanly: %r", e)
+    for actor in (*replicas, controller):
+        _kill(actor)
 
 
 def _controller(config: PdserveConfig, model: ResolvedModel) -> Any:
@@ -93,16 +99,17 @@ def _controller(config: PdserveConfig, model: ResolvedModel) -> Any:
 
 def _ingress(config: PdserveConfig, model: ResolvedModel, index: int,
              access: AccessPolicy, node_id: str) -> Any:
-    # Replica i goes to node i mod nodes (soft: elsewhere if that node is gone or full): the
-    # first on this process's node (where api.host is meant), the others spread over the
-    # nodes as Ray Serve's per-node proxies are. The replica
-    # authenticates clients, so it gets the API keys (as actor arguments, which anyone who may
-    # run code on the cluster can read: Ray's token auth guards them).
+    # Replica 0 runs on this process's node, where api.host is meant (pinned: a client's way in,
+    # an SSH forward say, leads there); replica i > 0 goes to node i mod nodes (soft: elsewhere
+    # if that node is gone or full), so replicas spread over the nodes as Ray Serve's per-node
+    # proxies do. The replica authenticates clients, so it gets the API keys (as actor
+    # arguments, which anyone who may run code on the cluster can read: Ray's token auth
+    # guards them).
     return ray.remote(Ingress).options(
         name=ingress_name(index), namespace=config.ray.namespace, get_if_exists=True,
         lifetime="detached", max_restarts=-1, num_cpus=config.api.replica_num_cpus,
         max_concurrency=64,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=index > 0),
     ).remote(config, model, index, CONTROLLER_NAME, access)
 
 

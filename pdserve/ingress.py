@@ -40,7 +40,9 @@ from pdserve.engine.types import EngineInfo
 from pdserve.errors import EngineStartError
 from pdserve.models.embedded import ResolvedModel
 from pdserve.scheduler.ledger import RequestLedger
-from pdserve.serving.cluster import ClusterView, EngineKey, IngressReport, apply_peers, books_of
+from pdserve.serving.cluster import (
+    ClusterView, EngineKey, IngressReport, apply_peers, books_of, ingress_name,
+)
 from pdserve.serving.engine_outputs import name_frontend
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.serving.ray_backend import RayBackend
@@ -53,10 +55,6 @@ INGRESS_HEADER = "x-pdserve-ingress"
 _FIRST_SYNC_TIMEOUT_S = 600.0
 # After a death, how long a pool counts as getting an engine before the view must say so.
 _REPLACEMENT_SHOWS_S = 5.0
-
-
-def ingress_name(index: int) -> str:
-    return f"pdserve-ingress-{index}"
 
 
 class IngressControl:

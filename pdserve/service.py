@@ -131,10 +131,10 @@ def init_ray(config: PdserveConfig) -> str | None:
 
 def local_ray_cpus(config: PdserveConfig) -> int:
     """Logical CPUs of a local Ray instance: what every engine the pools may run asks for
-    (pools.<role>.num_cpus each; with autoscaling, up to each pool's max_replicas), never fewer
-    than the machine's cores. With Ray's default (the cores), `--prefill 1 --decode 2` on two
-    cores waited forever for a third CPU. CPU engines still get disjoint core shares
-    (`serving/replicas.py:local_core_split`)."""
+    (pools.<role>.num_cpus each; with autoscaling, up to each pool's max_replicas) and every
+    ingress replica (api.replica_num_cpus each), never fewer than the machine's cores. With
+    Ray's default (the cores), `--prefill 1 --decode 2` on two cores waited forever for a third
+    CPU. CPU engines still get disjoint core shares (`serving/replicas.py:local_core_split`)."""
     wanted = 0.0
     for role in config.active_roles():
         pool = config.pools.for_role(role)
@@ -142,6 +142,8 @@ def local_ray_cpus(config: PdserveConfig) -> int:
         if config.autoscale.enabled:
             replicas = max(replicas, config.autoscale.bounds(role).max_replicas)
         wanted += replicas * pool.num_cpus
+    if owned_by_deployment(config):  # the ingress replicas' share (the controller asks none)
+        wanted += config.api.replicas * config.api.replica_num_cpus
     # round: 10 x 0.1 CPU is 1 CPU, not 2 (Ray counts resources in units of 1e-4)
     return max(os.cpu_count() or 1, math.ceil(round(wanted, 4)))
 

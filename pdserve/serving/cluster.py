@@ -31,6 +31,11 @@ from pdserve.scheduler.types import PoolSignals
 
 # A replica that has not reported for this long no longer counts (its books, its signals).
 REPORT_STALE_S = 10.0
+INGRESS_PREFIX = "pdserve-ingress-"  # the replicas' actor names: pdserve-ingress-0, ...
+
+
+def ingress_name(index: int) -> str:
+    return f"{INGRESS_PREFIX}{index}"
 
 EngineKey = tuple[str, str]  # (pool, replica id)
 

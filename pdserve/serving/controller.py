@@ -14,7 +14,9 @@ the engines that already run under their names in the namespace, or launches the
 there are none; it returns the engines' infos. A controller that Ray restarted after a crash
 therefore re-attaches to the running engines without restarting any, and rebuilds its books
 from the replicas' next reports (their books are the truth; it keeps no other state).
-`shutdown()` stops supervision and every engine: the deployment's end.
+`stop()` is the deployment's end: it drains and removes the ingress replicas, stops every
+engine, then removes the controller itself, all from here, so that it completes whatever
+happens to the process that asked.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from pdserve.models.embedded import ResolvedModel
 from pdserve.scheduler.types import PoolSignals
 from pdserve.serving.backend import STATS_INTERVAL_S
 from pdserve.serving.cluster import (
-    REPORT_STALE_S, ClusterView, EngineEntry, IngressReport, apply_totals, merge_signals, peers,
-    total,
+    INGRESS_PREFIX, REPORT_STALE_S, ClusterView, EngineEntry, IngressReport, apply_totals,
+    merge_signals, peers, total,
 )
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.serving.ray_backend import RayBackend
@@ -101,6 +103,30 @@ class Controller:
         return {"pid": os.getpid(), "incarnation": self._incarnation,
                 "engines": backend.engine_infos(), "replicas_reporting": sorted(
                     r.name for r in self._fresh(time.monotonic()))}
+
+    async def stop(self) -> None:
+        """The deployment's end, run here so that it completes even if the caller dies: drain
+        every ingress replica (running requests may finish within api.shutdown_grace_s) and
+        remove it, stop the engines, then remove this actor (no restart)."""
+        names = await asyncio.to_thread(ray.util.list_named_actors)
+        replicas = []
+        for name in sorted(n for n in names if n.startswith(INGRESS_PREFIX)):
+            try:
+                replicas.append(await asyncio.to_thread(ray.get_actor, name,
+                                                        self._config.ray.namespace))
+            except ValueError:
+                continue
+        timeout = self._config.api.shutdown_grace_s + _ATTACH_TIMEOUT_S
+        drains = await asyncio.gather(
+            *(asyncio.wait_for(r.drain.remote(), timeout) for r in replicas),
+            return_exceptions=True)
+        for replica, result in zip(replicas, drains, strict=True):
+            if isinstance(result, BaseException):
+                logger.warning("an ingress replica did not drain cleanly: %r", result)
+            ray.kill(replica, no_restart=True)
+        await self.shutdown()
+        me = ray.get_runtime_context().current_actor
+        asyncio.get_running_loop().call_later(0.2, lambda: ray.kill(me, no_restart=True))
 
     async def shutdown(self) -> None:
         """Stop supervision and scaling, then every engine."""
