@@ -61,7 +61,11 @@ class EngineActor:
         self._aborted_early: OrderedDict[str, None] = OrderedDict()
         # Arrival -> first output of each request, drained by `stats()`: the engine's share of
         # TTFT, to set beside the frontend's (the rest is Ray, the frontend and the network).
-        self._first_output_s: deque[float] = deque(maxlen=4096)
+        # per frontend name (the subscriber that submitted the request), so that each frontend
+        # counts its own requests' samples once, whoever else polls `stats()`.
+        self._first_output_s: dict[str, deque[float]] = {}
+        # KV pull durations the engine reported and no frontend has taken yet (`stats()`).
+        self._kv_seconds: deque[float] = deque(maxlen=4096)
         # With step tracing on, the same two times per request beside the engine's step trace.
         trace_dir = spec.config.engine.step_trace_dir
         self._requests = RequestTraceWriter(trace_dir, spec.replica_id) if trace_dir else None
@@ -118,7 +122,9 @@ class EngineActor:
                     outputs += 1
                     if first is None:
                         first = last
-                        self._first_output_s.append(first - arrived)
+                        name = self._owners.get(rid, "").partition("@")[0]
+                        self._first_output_s.setdefault(name, deque(maxlen=4096)).append(
+                            first - arrived)
                 self._emit(delta)
                 if delta.finished:
                     failure = None
@@ -189,12 +195,24 @@ class EngineActor:
             while len(self._aborted_early) > _ABORTED_EARLY_KEPT:
                 self._aborted_early.popitem(last=False)
 
-    async def stats(self) -> EngineStats:
+    async def stats(self, subscriber: str = "") -> EngineStats:
+        """The engine's state now, and the samples collected since this frontend's previous
+        call: its own requests' first-output times, and KV pull durations no other frontend
+        took yet (each counted by one frontend). A caller named '' (the controller of
+        ingress replicas, a bare `stats()` with no frontend) takes no frontend's samples, unless
+        requests were submitted under that name."""
         if self._engine.dead:
             return EngineStats(self._spec.replica_id, self._spec.pool, dead=True)
-        firsts = tuple(self._first_output_s)
-        self._first_output_s.clear()
-        return dataclasses.replace(self._engine.stats(), first_output_seconds=firsts)
+        stats = self._engine.stats()
+        self._kv_seconds.extend(stats.kv_transfer_seconds)
+        name = subscriber.partition("@")[0]
+        firsts = self._first_output_s.pop(name, ())
+        kv_seconds: tuple[float, ...] = ()
+        if name or not self._streams or "" in self._streams:
+            kv_seconds = tuple(self._kv_seconds)
+            self._kv_seconds.clear()
+        return dataclasses.replace(stats, first_output_seconds=tuple(firsts),
+                                   kv_transfer_seconds=kv_seconds)
 
     async def release_kv(self, kv_transfer_params: dict) -> None:
         """End the KV pin of a prefill leg whose decode leg will never pull it."""

@@ -40,6 +40,7 @@ from pdserve.serving.cluster import (
     INGRESS_PREFIX, REPORT_STALE_S, ClusterView, EngineEntry, IngressReport, apply_totals,
     merge_signals, peers, total,
 )
+from pdserve.serving.engine_outputs import name_frontend
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.serving.ray_backend import RayBackend
 from pdserve.serving.replicas import (
@@ -63,6 +64,9 @@ class Controller:
         self._config = config  # carries the cluster token: replacements must share it
         self._model = model
         self._incarnation = uuid.uuid4().hex[:12]
+        # The controller reads no engine outputs; named '' it polls engine stats without
+        # taking the samples the frontends count (first outputs, KV pull times).
+        name_frontend("")
         self._backend: RayBackend | None = None
         self._starting: asyncio.Task[RayBackend] | None = None
         self._stats: asyncio.Task[None] | None = None

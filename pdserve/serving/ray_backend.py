@@ -240,7 +240,8 @@ class RayBackend:
 
 
 async def _fetch_stats(replica: Replica) -> EngineStats:
-    return await asyncio.wait_for(replica.actor.stats.remote(), _STATS_TIMEOUT_S)
+    return await asyncio.wait_for(replica.actor.stats.remote(replica.outputs.subscriber),
+                                  _STATS_TIMEOUT_S)
 
 
 def _delta_or_raise(replica: Replica, output: GenerateDelta | GenerateFailure | StreamLost,

@@ -223,12 +223,13 @@ async def test_the_actor_reports_each_requests_engine_side_first_output_once(ser
     from pdserve.serving.metrics import ServingMetrics
 
     actor, _, outputs = served
-    before = await actor.stats()  # drains whatever came before
+    before = await actor.stats(outputs.subscriber)  # drains whatever came before
     assert before.first_output_seconds == ()
     await asyncio.gather(*(run(actor, outputs, request(f"f{i}", 4)) for i in range(3)))
-    stats = await actor.stats()
+    assert (await actor.stats("@controller")).first_output_seconds == ()  # not a frontend's
+    stats = await actor.stats(outputs.subscriber)
     assert len(stats.first_output_seconds) == 3 and all(s > 0 for s in stats.first_output_seconds)
-    assert (await actor.stats()).first_output_seconds == ()  # drained: each counted once
+    assert (await actor.stats(outputs.subscriber)).first_output_seconds == ()  # counted once
     metrics = ServingMetrics()
     metrics.update_engines([stats], ["colocated"])
     text = generate_latest(metrics.registry).decode()
@@ -279,6 +280,21 @@ async def test_two_frontends_each_read_their_own_requests():
     assert handle.opened == 2
     await a.aclose()
     await b.aclose()
+    await actor.shutdown()
+
+
+async def test_each_frontend_counts_its_own_requests_first_outputs():
+    actor = engine_actor()
+    await actor.start()
+    handle = InProcessHandle(actor)
+    a = EngineOutputs("colocated-0", handle, "ingress-0@one")
+    b = EngineOutputs("colocated-0", handle, "ingress-1@one")
+    await asyncio.gather(*(run(actor, a, request(f"a{i}", 3)) for i in range(2)),
+                         *(run(actor, b, request(f"b{i}", 3)) for i in range(3)))
+    assert len((await actor.stats("ingress-1@one")).first_output_seconds) == 3
+    assert len((await actor.stats("ingress-0@one")).first_output_seconds) == 2
+    for outputs in (a, b):
+        await outputs.aclose()
     await actor.shutdown()
 
 
