@@ -20,6 +20,7 @@ cd "$here/../.."
 concurrency=${SCALEOUT_CONCURRENCY:-512}
 port=8000
 export RAY_AUTH_MODE=token
+python3 -m ray.scripts.scripts get-auth-token --generate >/dev/null 2>&1  # a fresh host has none
 python3 -m ray.scripts.scripts start --head --port=6390 --num-gpus="$(nvidia-smi -L | wc -l)" \
   --include-dashboard=false --disable-usage-stats >"$out/ray-start.log" 2>&1 || { tail "$out/ray-start.log"; exit 3; }
 trap 'python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1' EXIT
