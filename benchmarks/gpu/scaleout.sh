@@ -38,6 +38,11 @@ serve() {  # N LOG: start pdserve with N ingress replicas, wait for its ready li
   done
   tail -30 "$2"; return 1
 }
+scrape() {  # REPLICAS: the engines' and the frontends' TTFT sums and counts over every replica
+  python3 benchmarks/replica_metrics.py --url http://127.0.0.1:$port --replicas "$1" \
+    pdserve_engine_time_to_first_output_seconds_sum pdserve_engine_time_to_first_output_seconds_count \
+    pdserve_time_to_first_token_seconds_sum pdserve_time_to_first_token_seconds_count
+}
 ingress_cpu() { ps -eo comm,times | awk '/^ray::Ingress/ {s += $2} END {print s + 0}'; }
 load() {  # CONCURRENCY PROCESSES OUTPUT SECONDS
   python3 benchmarks/stream_load.py --url http://127.0.0.1:$port --model m --concurrency "$1" \
@@ -48,13 +53,15 @@ for n in "${replicas[@]}"; do
   t0=$(date +%s)
   serve "$n" "$out/serve-$n.log" || exit 4
   echo "replicas $n ready after $(( $(date +%s) - t0 )) s"
+  before=$(scrape "$n") || exit 6
   low=$(load 1 1 16 15) || exit 5
+  sleep 2; after=$(scrape "$n") || exit 6
   cpu0=$(ingress_cpu)
   high=$(load "$concurrency" 8 512 30) || exit 5
   cpu1=$(ingress_cpu)
   [[ $first == 1 ]] || echo "," >>"$out/scaleout.json"; first=0
   # The replicas' CPU seconds over the load phase (8 s warm-up + 30 s window).
-  echo "{\"replicas\": $n, \"low\": $low, \"load\": $high, \"ingress_cpu_s\": $((cpu1 - cpu0)), \"load_s\": 38}" >>"$out/scaleout.json"
+  echo "{\"replicas\": $n, \"low\": $low, \"low_metrics\": [$before, $after], \"load\": $high, \"ingress_cpu_s\": $((cpu1 - cpu0)), \"load_s\": 38}" >>"$out/scaleout.json"
   kill -9 $pid; wait $pid 2>/dev/null
 done
 echo "]" >>"$out/scaleout.json"
@@ -63,11 +70,19 @@ echo "stop exit $?; left: $(pgrep -fc 'ray::(Ingress|Controller|EngineActor)')"
 python3 - "$out/scaleout.json" <<'EOF'
 import json, sys
 rows = json.load(open(sys.argv[1]))
-print("| replicas | tokens/s | TTFT p50 ms at load | TTFT p50 ms at 1 stream | ingress CPU ms / 1k tokens | errors | per replica |")
-print("|---|---|---|---|---|---|---|")
+print("| replicas | tokens/s | TTFT p50 ms at load | TTFT p50 ms at 1 stream | engine's first output ms (mean) | overhead ms | ingress CPU ms / 1k tokens | errors | per replica |")
+print("|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     load, low = r["load"], r["low"]
+    a, b = r["low_metrics"]
+    key = "pdserve_engine_time_to_first_output_seconds"
+    count = b[key + "_count"] - a[key + "_count"]
+    engine_ms = 1000 * (b[key + "_sum"] - a[key + "_sum"]) / count if count else float("nan")
+    r["engine_first_output_ms_mean"] = engine_ms
+    r["ttft_overhead_ms_p50"] = low["ttft_ms_p50"] - engine_ms
     per_k = 1000 * r["ingress_cpu_s"] / (load["tokens_per_s"] * r["load_s"] / 1000)
     print(f"| {r['replicas']} | {load['tokens_per_s']:.0f} | {load['ttft_ms_p50']:.1f} | "
-          f"{low['ttft_ms_p50']:.1f} | {per_k:.1f} | {load['errors']} | {load['ingress']} |")
+          f"{low['ttft_ms_p50']:.1f} | {engine_ms:.1f} | {r['ttft_overhead_ms_p50']:.1f} | "
+          f"{per_k:.1f} | {load['errors']} | {load['ingress']} |")
+json.dump(rows, open(sys.argv[1], "w"), indent=1)
 EOF
