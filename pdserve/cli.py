@@ -7,6 +7,7 @@ YAML file mean the same thing; flags win over the file.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -171,9 +172,16 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _serve(args: argparse.Namespace) -> int:
     from pdserve.config import load_config
+
+    config = load_config(args.config, serve_overrides(args))
+    if config.owned_by_deployment:
+        # Ray folds like log lines of different actors into "[repeated Nx across cluster]": the
+        # ingress replicas' one line per request (pdserve.provenance) would lose its request
+        # ids. Ray reads this when it is imported.
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     from pdserve.service import run_service
 
-    run_service(load_config(args.config, serve_overrides(args)))
+    run_service(config)
     return 0
 
 

@@ -1,6 +1,6 @@
 """`pdserve serve` for a deployment: a controller, its engines and N ingress replicas.
 
-Used when the engines belong to the deployment (`replicas.owned_by_deployment`: a cluster, or
+Used when the engines belong to the deployment (`PdserveConfig.owned_by_deployment`: a cluster, or
 api.replicas > 1). The pdserve process then serves nothing itself: it starts (or finds, by
 name) the controller (`serving/controller.py`), which launches the engines, then the ingress
 replicas (`ingress.py`), each a detached actor that Ray restarts when its process dies,

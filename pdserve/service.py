@@ -35,7 +35,6 @@ from pdserve.deployment import serve_deployment
 from pdserve.lifecycle import Reaper
 from pdserve.models.embedded import ResolvedModel, resolve_model
 from pdserve.serving.ray_backend import RayBackend
-from pdserve.serving.replicas import owned_by_deployment
 
 logger = logging.getLogger("pdserve")
 
@@ -62,7 +61,7 @@ async def serve(config: PdserveConfig) -> None:
         if reaper is not None and session_dir is not None:
             reaper.watch(session_dir)
         logger.info("starting %s engine(s) for %s", _engine_summary(config), model.served_name)
-        if owned_by_deployment(config):
+        if config.owned_by_deployment:
             # A controller owns the engines, ingress replicas serve HTTP (deployment.py).
             await serve_deployment(config, model, access, started, _engine_summary(config))
             return
@@ -142,7 +141,7 @@ def local_ray_cpus(config: PdserveConfig) -> int:
         if config.autoscale.enabled:
             replicas = max(replicas, config.autoscale.bounds(role).max_replicas)
         wanted += replicas * pool.num_cpus
-    if owned_by_deployment(config):  # the ingress replicas' share (the controller asks none)
+    if config.owned_by_deployment:  # the ingress replicas' share (the controller asks none)
         wanted += config.api.replicas * config.api.replica_num_cpus
     # round: 10 x 0.1 CPU is 1 CPU, not 2 (Ray counts resources in units of 1e-4)
     return max(os.cpu_count() or 1, math.ceil(round(wanted, 4)))

@@ -364,22 +364,16 @@ class ServingConfig(_Section):
 class ApiConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the HTTP frontend listens on.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 picks a free one).")
-    replicas: int = Field(
-        1, ge=1, description="HTTP ingress replicas, each a Ray actor on api.host:api.port "
-        "(SO_REUSEPORT) streaming its own requests from the engines. With more than one, or on "
-        "a cluster (ray.address), the engines belong to the deployment's controller actor and "
-        "outlive any frontend (deployment.py); else the pdserve process serves HTTP itself.")
-    sync_interval_s: float = Field(
-        0.05, gt=0, le=10, description="How often each ingress replica swaps its books with the "
-        "controller: how late it sees the other replicas' placements (plus one actor call).")
+    replicas: int = Field(1, ge=1, description="HTTP ingress replicas, each a Ray actor on "
+                          "api.host:api.port (SO_REUSEPORT); see PdserveConfig.owned_by_deployment.")
+    sync_interval_s: float = Field(0.05, gt=0, le=10, description="How often each ingress replica "
+                                   "swaps its books with the controller (how late it sees others').")
     replica_num_cpus: float = Field(0.01, gt=0, description="Ray CPUs each ingress replica "
                                     "reserves (> 0: Ray's soft node affinity ignores a 0-CPU actor).")
-    max_queued_requests: int = Field(
-        1024, ge=1, description="Requests admitted but not finished before new ones get 429."
-    )
-    default_max_tokens: int | None = Field(
-        None, ge=1, description="max_tokens when a request omits it; default: the context left."
-    )
+    max_queued_requests: int = Field(1024, ge=1, description="Requests admitted but not "
+                                     "finished before new ones get 429.")
+    default_max_tokens: int | None = Field(None, ge=1, description="max_tokens when a request "
+                                           "omits it; default: the context left.")
     tool_call_parser: str | None = Field(
         None, description="Name of a vLLM tool parser (vLLM's --tool-call-parser: 'hermes', "
         "'llama3_json', 'pythonic', ...) that reads tool calls out of the model's output; it "
@@ -531,6 +525,12 @@ class PdserveConfig(_Section):
         api = self.api.model_copy(update={"api_keys": (), "api_key_file": None,
                                           "metrics_api_key": None})
         return self.model_copy(update={"api": api})
+
+    @property
+    def owned_by_deployment(self) -> bool:
+        """A controller actor owns the engines, ingress replicas serve (deployment.py): on a
+        cluster or with api.replicas > 1. Else the pdserve process serves HTTP itself."""
+        return self.ray.address is not None or self.api.replicas > 1
 
     def active_roles(self) -> tuple[PoolRole, ...]:
         if self.mode is ServingMode.COLOCATED:

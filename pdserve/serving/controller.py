@@ -1,6 +1,6 @@
 """The controller: the one actor of a deployment that owns its engines.
 
-With several ingress replicas, or on a cluster (`replicas.owned_by_deployment`), `pdserve serve`
+With several ingress replicas, or on a cluster (`PdserveConfig.owned_by_deployment`), `pdserve serve`
 starts one `Controller` (the named actor `pdserve-controller`, detached, restarted by Ray when
 it dies). It launches the engine pools as detached actors, keeps them at size (supervision:
 the actuator replaces dead and hung engines) and scales them (the autoscaler runs here, and

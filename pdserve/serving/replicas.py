@@ -58,14 +58,6 @@ def _on_gpu(config: PdserveConfig) -> bool:
     )
 
 
-def owned_by_deployment(config: PdserveConfig) -> bool:
-    """Whether the engines belong to the deployment rather than to the process that started
-    them: on a cluster (`ray.address`), or with several ingress replicas (`api.replicas`). The
-    controller (`controller.py`) owns them then, as detached actors: a frontend or controller
-    that dies takes no engine with it."""
-    return config.ray.address is not None or config.api.replicas > 1
-
-
 def actor_options(config: PdserveConfig, role: PoolRole, replica_id: str) -> dict[str, Any]:
     """Ray placement of one engine actor, from its pool's config."""
     pool = config.pools.for_role(role)
@@ -80,7 +72,8 @@ def actor_options(config: PdserveConfig, role: PoolRole, replica_id: str) -> dic
         "resources": dict(pool.resources),
         # One actor serves many concurrent streams on its event loop.
         "max_concurrency": 4096,
-        **({"lifetime": "detached"} if owned_by_deployment(config) else {}),
+        # The controller's engines (`controller.py`) outlive any frontend, and the controller.
+        **({"lifetime": "detached"} if config.owned_by_deployment else {}),
     }
 
 
