@@ -41,6 +41,8 @@ from pathlib import Path
 
 import psutil
 
+from pdserve.testing.processes import cpu_seconds, kill_processes, process_tree, stop_tree
+
 ARMS = ("in-process", "1", "2", "4")
 INGRESS_HEADER = "x-pdserve-ingress"
 IN_PROCESS = "in-process"  # the name a response without the ingress header counts under
@@ -280,21 +282,6 @@ async def load(base_url: str, body: dict, concurrency: int, warmup_s: float, sec
             "responses_by_replica": dict(sorted(window.replicas.items()))}
 
 
-def cpu_seconds(groups: dict[str, list[int]]) -> dict[str, float]:
-    """User + system CPU seconds of each group of processes (threads included)."""
-    out = {}
-    for name, pids in groups.items():
-        total = 0.0
-        for pid in pids:
-            try:
-                t = psutil.Process(pid).cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-        out[name] = total
-    return out
-
-
 def _host_busy_s() -> float:
     """CPU seconds this whole host spent busy (all processes, all cores)."""
     t = psutil.cpu_times()
@@ -354,7 +341,7 @@ class RayHead:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"ray start exited with {self.process.returncode}")
-            if any("raylet" in " ".join(c.cmdline()[:1]) for c in _tree(self.process.pid)):
+            if any("raylet" in " ".join(c.cmdline()[:1]) for c in process_tree(self.process.pid)):
                 time.sleep(3)  # the raylet registers with the GCS a moment after it starts
                 return
             time.sleep(0.5)
@@ -374,36 +361,11 @@ def _ray_env() -> dict[str, str]:
     return {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
 
 
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def stop_tree(pid: int) -> None:
-    """Terminate `pid` and everything under it, then kill what is left after 15 s."""
-    procs = _tree(pid)
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=15)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=10)
-
-
 def process_groups(roots: list[int], server_pid: int, in_process: bool) -> dict[str, list[int]]:
     groups: dict[str, list[int]] = {"frontend": [], "engines": [], "controller": [],
                                     "driver": [], "ray_system": []}
     for root in roots:
-        for p in _tree(root):
+        for p in process_tree(root):
             try:
                 cmdline = p.cmdline()
             except psutil.Error:
@@ -444,7 +406,7 @@ def run_arm(arm: str, repeat: int, args: argparse.Namespace, model_dir: Path, wo
         server = start_process(command, port, work / f"pdserve-{arm}-{repeat}.log",
                                start_timeout_s=300, env=_ray_env() if head else None)
         roots = [server.process.pid, *([head.process.pid] if head else [])]
-        tree = [p for r in roots for p in _tree(r)]
+        tree = [p for r in roots for p in process_tree(r)]
         common = {"url": server.base_url, "body": _body(args, args.lowload_tokens),
                   "frontends": max(replicas, 1)}
         low = run_client("lowload", {**common, "requests": args.lowload_requests,
@@ -463,7 +425,7 @@ def run_arm(arm: str, repeat: int, args: argparse.Namespace, model_dir: Path, wo
             server.stop()
         if head is not None:
             head.stop()
-        _kill_left(tree)
+        kill_processes(p for p in tree if p.is_running())  # same pid and start time only
     return {**row_of(arm, replicas, repeat, low, loads, load_avg),
             "waited_for_quiet_s": waited_s}
 
@@ -476,17 +438,6 @@ def wait_for_quiet(max_wait_s: float, busy_below_percent: float = 25.0) -> float
         if psutil.cpu_percent(interval=3) < busy_below_percent:
             break
     return round(time.monotonic() - started, 1)
-
-
-def _kill_left(tree: list[psutil.Process]) -> None:
-    """Whatever of the arm's processes outlived its stop (same pid and start time only)."""
-    alive = [p for p in tree if p.is_running()]
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=10)
 
 
 def _body(args: argparse.Namespace, max_tokens: int) -> dict:

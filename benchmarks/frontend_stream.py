@@ -29,6 +29,7 @@ import httpx
 import psutil
 
 from pdserve.testing import tiny_tokenizer
+from pdserve.testing.processes import cpu_seconds
 from pdserve.testing.server import RunningServer, start_server
 
 
@@ -102,21 +103,6 @@ async def drive(base_url: str, concurrency: int, body: dict, warmup_s: float, se
             "tokens_per_s": round(window.tokens / elapsed, 1),
             "requests_per_s": round(window.completed / elapsed, 2),
             "cpu_percent": cpu}
-
-
-def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
-    """User + system CPU seconds of each named group of processes (threads included)."""
-    out = {}
-    for name, group in pids.items():
-        total = 0.0
-        for pid in group:
-            try:
-                t = psutil.Process(pid).cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-        out[name] = total
-    return out
 
 
 def engine_pids(server: RunningServer) -> list[int]:

@@ -43,9 +43,7 @@ from pdserve.serving.cluster import (
 from pdserve.serving.engine_outputs import name_frontend
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.serving.ray_backend import RayBackend
-from pdserve.serving.replicas import (
-    EnginePool, Replica, create_pool, kill_all, local_core_split, request_resources, start_all,
-)
+from pdserve.serving.replicas import EnginePool, Replica, kill_all, launch_pools
 
 logger = logging.getLogger(__name__)
 
@@ -211,20 +209,8 @@ class Controller:
         return pools
 
     async def _launch(self) -> dict[PoolRole, EnginePool]:
-        config = self._config
-        if config.autoscale.enabled and config.autoscale.request_resources:
-            request_resources(config, {r: config.pools.for_role(r).replicas for r in self._roles()})
-        cores = local_core_split(config)
-        pools = {role: create_pool(config, self._model, role, cores) for role in self._roles()}
-        replicas = [r for p in pools.values() for r in p.replicas]
-        try:
-            infos = await start_all(replicas, config.engine.start_timeout_s)
-        except BaseException:
-            await kill_all(replicas)
-            raise
-        for replica, info in zip(replicas, infos, strict=True):
-            replica.info = info
-        if not replicas:
+        pools = await launch_pools(self._config, self._model)
+        if not any(p.replicas for p in pools.values()):
             raise EngineStartError("no engine to start: every pool has 0 replicas")
         return pools
 

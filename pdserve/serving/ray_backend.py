@@ -32,10 +32,7 @@ from pdserve.serving.actuator import PoolActuator
 from pdserve.serving.engine_outputs import StreamLost
 from pdserve.serving.flow import AdmittedStream, FlowOptions, RequestFlow
 from pdserve.serving.metrics import ServingMetrics
-from pdserve.serving.replicas import (
-    EnginePool, Replica, create_pool, kill_all, local_core_split, request_resources, start_all,
-    with_cluster_token,
-)
+from pdserve.serving.replicas import EnginePool, Replica, kill_all, launch_pools, with_cluster_token
 
 logger = logging.getLogger(__name__)
 
@@ -145,19 +142,7 @@ class RayBackend:
                      metrics: ServingMetrics | None = None,
                      observer: Callable[[LedgerEvent], None] | None = None) -> RayBackend:
         config = with_cluster_token(config)
-        if config.autoscale.enabled and config.autoscale.request_resources:
-            request_resources(config, {r: config.pools.for_role(r).replicas
-                                       for r in config.active_roles()})
-        cores = local_core_split(config)
-        pools = {role: create_pool(config, model, role, cores) for role in config.active_roles()}
-        replicas = [r for p in pools.values() for r in p.replicas]
-        try:
-            infos = await start_all(replicas, config.engine.start_timeout_s)
-        except BaseException:
-            await kill_all(replicas)
-            raise
-        for replica, info in zip(replicas, infos, strict=True):
-            replica.info = info
+        pools = await launch_pools(config, model)
         backend = cls(pools, config, model, metrics, observer)
         backend.control.start()
         return backend

@@ -3,7 +3,7 @@
 Lifecycle: `create_replica` places one `EngineActor` with its pool's Ray resources
 (`actor_options`) and `create_pool` does so for every replica a pool starts with (CPU engines
 of a local Ray instance each get their own cores: `local_core_split`); `start_all`
-awaits their `start()` in parallel; `kill_all` shuts each one down, kills its actor and closes its
+awaits their `start()` in parallel (`launch_pools`: all of it for every pool); `kill_all` shuts each one down, kills its actor and closes its
 output stream, each step in its own try block. `request_resources` asks the Ray autoscaler for
 the nodes the wanted engines need.
 """
@@ -162,6 +162,25 @@ def create_pool(config: PdserveConfig, model: ResolvedModel, role: PoolRole,
     cores = cores or {}
     return EnginePool(role, [create_replica(config, model, role, index, cores.get(replica_id_of(role, index)))
                              for index in range(config.pools.for_role(role).replicas)])
+
+
+async def launch_pools(config: PdserveConfig, model: ResolvedModel) -> dict[PoolRole, EnginePool]:
+    """Place and start the engines every active pool starts with (asking the Ray autoscaler
+    for their nodes first when it should); on any failure, stop the ones that started."""
+    roles = config.active_roles()
+    if config.autoscale.enabled and config.autoscale.request_resources:
+        request_resources(config, {r: config.pools.for_role(r).replicas for r in roles})
+    cores = local_core_split(config)
+    pools = {role: create_pool(config, model, role, cores) for role in roles}
+    replicas = [r for p in pools.values() for r in p.replicas]
+    try:
+        infos = await start_all(replicas, config.engine.start_timeout_s)
+    except BaseException:
+        await kill_all(replicas)
+        raise
+    for replica, info in zip(replicas, infos, strict=True):
+        replica.info = info
+    return pools
 
 
 async def start_all(replicas: list[Replica], timeout_s: float) -> list[EngineInfo]:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import psutil
 
+from pdserve.testing.processes import kill_processes
+
 
 def ray_env(**extra: str) -> dict[str, str]:
     """The environment `ray start` and the cluster's drivers run with (token auth on)."""
@@ -80,12 +82,7 @@ def stop_cluster(port: int) -> None:
         procs = cluster_processes(port)
         if not procs:
             break
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=10)
+        kill_processes(procs)
     # `ray start` recorded this cluster as the machine's default for ray.init(); forget it.
     current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
     if current.exists() and current.read_text().strip().endswith(f":{port}"):
