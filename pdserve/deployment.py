@@ -1,17 +1,17 @@
 """`pdserve serve` for a deployment: a controller, its engines and N ingress replicas.
 
-Used when the engines belong to the deployment (`PdserveConfig.owned_by_deployment`: a cluster, or
-api.replicas > 1). The pdserve process then serves nothing itself: it starts (or finds, by
+Used when the engines belong to the deployment (`PdserveConfig.owned_by_deployment`: a cluster,
+or api.replicas > 1). The pdserve process then serves nothing itself: it starts (or finds, by
 name) the controller (`serving/controller.py`), which launches the engines, then the ingress
-replicas (`ingress.py`), each a detached actor that Ray restarts when its process dies,
-prints the ready line and waits. SIGINT or SIGTERM takes the deployment down: every replica
-drains (running requests may finish within api.shutdown_grace_s), then the controller stops
-the engines, then the actors go.
+replicas (`ingress.py`), each a detached actor that Ray restarts when its process dies, prints
+the ready line and waits. SIGINT or SIGTERM takes the deployment down, from inside the
+controller (`Controller.stop`): every replica drains (running requests may finish within
+api.shutdown_grace_s), then the engines stop, then the actors go.
 
 If this process dies instead (SIGKILL, a lost SSH session), the deployment keeps serving: the
 actors are detached. Running `pdserve serve` again with the same namespace attaches to it
-(nothing restarts) and owns it from then on. In local mode (no ray.address) the Ray instance
-is this process's own, so its end still takes everything with it (`service.py`).
+(nothing restarts) and owns it from then on. In local mode (no ray.address) the Ray instance is
+this process's own, so its end still takes everything with it (`service.py`).
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ async def stop_deployment(config: PdserveConfig, replicas: list[Any], controller
     (`Controller.stop`: it finishes even if this process is killed meanwhile, as `ray job
     stop` does after 3 s); whatever is left after that is removed from here."""
     try:
-        await asyncio.wait_for(controller.stop.remote(), config.api.shutdown_grace_s + _STOP_TIMEOUT_S)
+        await asyncio.wait_for(controller.stop.remote(),
+                               config.api.shutdown_grace_s + _STOP_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - the actors go anyway
         logger.warning("the controller did not stop the deployment cleanly: %r", e)
     for actor in (*replicas, controller):

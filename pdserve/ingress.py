@@ -35,11 +35,14 @@ import ray
 from pdserve.api.app import build_app
 from pdserve.api.guard import AccessPolicy, RequestLimits
 from pdserve.api.server import DrainingServer, load_tokenizer, uvicorn_config
+from pdserve.config.loader import configure_logging
 from pdserve.config.schema import PdserveConfig, PoolRole
 from pdserve.engine.types import EngineInfo
 from pdserve.errors import EngineStartError
 from pdserve.models.embedded import ResolvedModel
 from pdserve.scheduler.ledger import RequestLedger
+from pdserve.scheduler.types import PoolSignals
+from pdserve.serving.backend import STATS_INTERVAL_S
 from pdserve.serving.cluster import (
     ClusterView, EngineKey, IngressReport, apply_peers, books_of, ingress_name,
 )
@@ -55,6 +58,8 @@ INGRESS_HEADER = "x-pdserve-ingress"
 _FIRST_SYNC_TIMEOUT_S = 600.0
 # After a death, how long a pool counts as getting an engine before the view must say so.
 _REPLACEMENT_SHOWS_S = 5.0
+# A controller silent this long is reported (health, a warning per failed sync).
+_CONTROLLER_SILENT_S = 5.0
 
 
 class IngressControl:
@@ -75,6 +80,8 @@ class IngressControl:
         self._task: asyncio.Task[None] | None = None
         self._last_answer = time.monotonic()
         self._closing: set[asyncio.Task[None]] = set()
+        self._last_signals: dict[str, PoolSignals] = {}
+        self._signals_at = -1e9
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._sync_loop())
@@ -101,7 +108,7 @@ class IngressControl:
     def health(self) -> dict[str, Any]:
         body = dict(self._view.health)
         silent = time.monotonic() - self._last_answer
-        if silent > 5.0:
+        if silent > _CONTROLLER_SILENT_S:
             body["controller"] = f"unreachable for {silent:.0f} s (serving on its last view)"
         return body
 
@@ -113,9 +120,8 @@ class IngressControl:
 
     async def sync_once(self) -> None:
         now = time.monotonic()
-        signals = {role.value: self._ledger.signals(role.value, now) for role in self._pools}
-        report = IngressReport(self._name, books_of(self._ledger.engines, now), signals,
-                               tuple(self._dead))
+        report = IngressReport(self._name, books_of(self._ledger.engines, now),
+                               self._signals(now), tuple(self._dead))
         view = await self._controller.sync.remote(report)
         self._dead -= set(report.dead)
         self._last_answer = time.monotonic()
@@ -124,6 +130,18 @@ class IngressControl:
                         view.controller)
         self._view = view
         await apply_view(view, self._pools, self._ledger, self._config, self._closing)
+
+    def _signals(self, now: float) -> dict[str, PoolSignals]:
+        """This replica's autoscaling signals per pool, for the controller's autoscaler (none
+        without autoscaling). Percentiles over the SLO window are not worth recomputing every
+        sync: at most once per stats interval, as fresh as the engines' KV usage in them."""
+        if not self._config.autoscale.enabled:
+            return {}
+        if now - self._signals_at >= STATS_INTERVAL_S:
+            self._last_signals = {role.value: self._ledger.signals(role.value, now)
+                                  for role in self._pools}
+            self._signals_at = now
+        return self._last_signals
 
     async def _sync_loop(self) -> None:
         interval = self._config.api.sync_interval_s
@@ -134,7 +152,7 @@ class IngressControl:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the controller may be restarting
-                if time.monotonic() - self._last_answer > 5.0:
+                if time.monotonic() - self._last_answer > _CONTROLLER_SILENT_S:
                     logger.warning("controller did not answer the sync: %r", e)
 
 
@@ -154,8 +172,8 @@ async def apply_view(view: ClusterView, pools: dict[PoolRole, EnginePool], ledge
                 task = asyncio.get_running_loop().create_task(replica.outputs.aclose())
                 closing.add(task)
                 task.add_done_callback(closing.discard)
-            elif entry.draining and (record := engines.get(role.value, replica.replica_id)):
-                record.draining = True
+            elif entry.draining:
+                engines.drain(role.value, replica.replica_id)
     for replica in await joined(view, pools, config.ray.namespace):
         pools.setdefault(replica.pool, EnginePool(replica.pool)).replicas.append(replica)
         assert replica.info is not None
@@ -185,8 +203,7 @@ class Ingress:
 
     def __init__(self, config: PdserveConfig, model: ResolvedModel, index: int,
                  controller_name: str, access: AccessPolicy) -> None:
-        logging.basicConfig(level=config.api.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging(config)
         self._config = config
         self._model = model
         self._name = ingress_name(index)

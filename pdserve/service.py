@@ -28,7 +28,7 @@ import uvloop
 from pdserve.api.app import build_app
 from pdserve.api.guard import AccessPolicy, RequestLimits
 from pdserve.api.server import DrainingServer, load_tokenizer, uvicorn_config
-from pdserve.config.loader import load_api_keys
+from pdserve.config.loader import configure_logging, load_api_keys
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.config.schema import PdserveConfig
 from pdserve.deployment import serve_deployment
@@ -41,8 +41,7 @@ logger = logging.getLogger("pdserve")
 
 def run_service(config: PdserveConfig) -> None:
     """Blocking entry point of `pdserve serve`, on a uvloop event loop."""
-    logging.basicConfig(level=config.api.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config)
     uvloop.run(serve(config))
 
 

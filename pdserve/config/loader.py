@@ -8,6 +8,7 @@ happens once, on the merged result, and errors name the offending field.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,15 @@ from pydantic import ValidationError
 
 from pdserve.config.schema import ApiConfig, PdserveConfig
 from pdserve.errors import ConfigError
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(config: PdserveConfig) -> None:
+    """Log as api.log_level says, one format for every pdserve process (server, controller,
+    ingress replicas)."""
+    logging.basicConfig(level=config.api.log_level.upper(), format=LOG_FORMAT)
 
 
 def load_config(

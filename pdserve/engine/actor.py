@@ -9,9 +9,9 @@ instead of one per request: at thousands of tokens/s a Ray object per token per 
 saturated the frontend's event loop (benchmarks/frontend_stream.py). A frontend names itself
 as `name@incarnation` (its subscriber): several frontends (ingress replicas) share an engine,
 each reading its own requests' deltas; a restarted frontend (same name, new incarnation)
-subscribing aborts what its dead predecessor left running here. `abort()` ends a request early; `stats()` is polled
-by the frontend (and says when the engine is dead); `release_kv()` frees a prefill's KV that no
-decode leg will pull; `shutdown()` runs last.
+subscribing aborts what its dead predecessor left running here. `abort()` ends a request
+early; `stats()` is polled by the frontend (and says when the engine is dead); `release_kv()`
+frees a prefill's KV that no decode leg will pull; `shutdown()` runs last.
 The engine is built by its kind in the config (`engine.kind`, registry.py), so tests and
 benchmarks run the mock engine without touching serving code.
 """

@@ -102,7 +102,8 @@ class ClusterView:
     engines: tuple[EngineEntry, ...]
     peers: Mapping[EngineKey, EngineBooks]  # the other replicas' books per engine
     health: dict[str, Any]
-    capacity_coming: frozenset[str] = field(default_factory=frozenset)  # pools with engines starting
+    # pools with engines starting (or about to: a replacement in its back-off)
+    capacity_coming: frozenset[str] = field(default_factory=frozenset)
 
 
 def books_of(registry: EngineRegistry, now: float) -> dict[EngineKey, EngineBooks]:

@@ -1,28 +1,29 @@
 """The controller: the one actor of a deployment that owns its engines.
 
-With several ingress replicas, or on a cluster (`PdserveConfig.owned_by_deployment`), `pdserve serve`
-starts one `Controller` (the named actor `pdserve-controller`, detached, restarted by Ray when
-it dies). It launches the engine pools as detached actors, keeps them at size (supervision:
-the actuator replaces dead and hung engines) and scales them (the autoscaler runs here, and
-only here: one leader, and a restarted controller is the same leader again). It serves no
-request: the ingress replicas (`ingress.py`) do, each with its own ledger, and `sync` with it
-every `api.sync_interval_s` (`cluster.py`: each replica's books in, the engines and the other
+With several ingress replicas, or on a cluster (`PdserveConfig.owned_by_deployment`), `pdserve
+serve` starts one `Controller` (the named actor `pdserve-controller`, detached, restarted by Ray
+when it dies). It launches the engine pools as detached actors, keeps them at size (supervision:
+the actuator replaces dead and hung engines) and scales them (the autoscaler runs here, and only
+here: one leader, and a restarted controller is the same leader again). It serves no request:
+the ingress replicas (`ingress.py`) do, each with its own ledger, and `sync` with it every
+`api.sync_interval_s` (`cluster.py`: each replica's books in, the engines and the other
 replicas' books out).
 
-Lifecycle: `start()` (called by the driver, and by the first `sync` after a restart) attaches to
+Lifecycle: `start()` (called by the driver; a restarted controller starts by itself) attaches to
 the engines that already run under their names in the namespace, or launches the pools when
 there are none; it returns the engines' infos. A controller that Ray restarted after a crash
-therefore re-attaches to the running engines without restarting any, and rebuilds its books
-from the replicas' next reports (their books are the truth; it keeps no other state).
-`stop()` is the deployment's end: it drains and removes the ingress replicas, stops every
-engine, then removes the controller itself, all from here, so that it completes whatever
-happens to the process that asked.
+therefore re-attaches to the running engines without restarting any, and rebuilds its books from
+the replicas' next reports (their books are the truth; it keeps no other state). `stop()` is the
+deployment's end: it drains and removes the ingress replicas, stops every engine, then removes
+the controller itself, all from here, so that it completes whatever happens to the process that
+asked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 import uuid
@@ -30,6 +31,7 @@ from typing import Any
 
 import ray
 
+from pdserve.config.loader import configure_logging
 from pdserve.config.schema import PdserveConfig, PoolRole
 from pdserve.engine.types import EngineInfo
 from pdserve.errors import EngineStartError
@@ -57,8 +59,7 @@ class Controller:
     """Ray actor (async). Owns the engines; merges the ingress replicas' books and signals."""
 
     def __init__(self, config: PdserveConfig, model: ResolvedModel) -> None:
-        logging.basicConfig(level=config.api.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging(config)
         self._config = config  # carries the cluster token: replacements must share it
         self._model = model
         self._incarnation = uuid.uuid4().hex[:12]
@@ -93,14 +94,8 @@ class Controller:
         return ClusterView(self._incarnation, self._entries(backend), peers(totals, report.books),
                            backend.health(), coming)
 
-    async def health(self) -> dict[str, Any]:
-        backend = await self._ready()
-        return backend.health()
-
     async def info(self) -> dict[str, Any]:
         """For operators and tests: the controller's process and incarnation, the engines."""
-        import os
-
         backend = await self._ready()
         return {"pid": os.getpid(), "incarnation": self._incarnation,
                 "engines": backend.engine_infos(), "replicas_reporting": sorted(

@@ -32,7 +32,9 @@ from pdserve.serving.actuator import PoolActuator
 from pdserve.serving.engine_outputs import StreamLost
 from pdserve.serving.flow import AdmittedStream, FlowOptions, RequestFlow
 from pdserve.serving.metrics import ServingMetrics
-from pdserve.serving.replicas import EnginePool, Replica, kill_all, launch_pools, with_cluster_token
+from pdserve.serving.replicas import (
+    EnginePool, Replica, kill_all, launch_pools, with_cluster_token,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,9 @@
 Lifecycle: `create_replica` places one `EngineActor` with its pool's Ray resources
 (`actor_options`) and `create_pool` does so for every replica a pool starts with (CPU engines
 of a local Ray instance each get their own cores: `local_core_split`); `start_all`
-awaits their `start()` in parallel (`launch_pools`: all of it for every pool); `kill_all` shuts each one down, kills its actor and closes its
-output stream, each step in its own try block. `request_resources` asks the Ray autoscaler for
+awaits their `start()` in parallel (`launch_pools`: all of it for every pool); `kill_all`
+shuts each one down, kills its actor and closes its output stream, each step in its own try
+block. `request_resources` asks the Ray autoscaler for
 the nodes the wanted engines need.
 """
 
