@@ -66,9 +66,7 @@ class ModelConfig(_Section):
     max_model_len: int | None = Field(
         None, ge=16, description="Context length (prompt + output tokens); default: the model's."
     )
-    load_format: str = Field(
-        "auto", description="vLLM load format; 'dummy' gives random weights of the real shape."
-    )
+    load_format: str = Field("auto", description="vLLM load format; 'dummy': random weights, real shape.")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint.")
 
 
@@ -83,12 +81,8 @@ class MockEngineConfig(_Section):
     max_model_len: int = Field(2048, ge=16, description="Context length the mock reports.")
     block_size: int = Field(16, ge=1, description="KV block size in tokens.")
     num_kv_blocks: int = Field(4096, ge=1, description="KV blocks per mock engine.")
-    kv_bytes_per_token: int = Field(
-        131072, ge=1, description="KV size per prompt token (Llama-3.1-8B: 128 KiB)."
-    )
-    transfer_bytes_per_s: float = Field(
-        50e9, gt=0, description="Simulated KV pull bandwidth of a decode leg."
-    )
+    kv_bytes_per_token: int = Field(131072, ge=1, description="KV per prompt token (Llama-3.1-8B: 128 KiB).")
+    transfer_bytes_per_s: float = Field(50e9, gt=0, description="Simulated KV pull bandwidth of decode legs.")
 
 
 class EngineConfig(_Section):
@@ -127,6 +121,12 @@ class EngineConfig(_Section):
     start_timeout_s: float = Field(
         900.0, gt=0, description="How long an engine may take to start before it counts as failed."
     )
+    request_plane: Literal["direct", "ray"] = Field(
+        "direct", description="How frontends send requests to engines and get tokens back: "
+        "'direct' over each engine actor's own socket (unix on its node, else TCP; authenticated "
+        "with kv.cluster_token), falling back to Ray where it cannot connect; 'ray' through actor "
+        "calls and a Ray stream (about 1 ms more per request's first token).",
+    )
     step_trace_dir: Path | None = Field(
         None, description="Write one JSON line per engine step to {dir}/{replica_id}.steps.jsonl "
         "(pdserve.engine.step_trace; `pdserve sim profile --step-trace` fits the simulator's step "
@@ -134,12 +134,9 @@ class EngineConfig(_Section):
         "build (pdserve.engine.tracing_scheduler, via vLLM's scheduler_cls), which writes the "
         "lines from the engine core process.",
     )
-    mock: MockEngineConfig = Field(
-        default_factory=MockEngineConfig, description="Used when kind is 'mock'."
-    )
-    extra_engine_args: dict[str, Any] = Field(
-        default_factory=dict, description="Passed as-is to vLLM's AsyncEngineArgs (escape hatch)."
-    )
+    mock: MockEngineConfig = Field(default_factory=MockEngineConfig, description="Used when kind is 'mock'.")
+    extra_engine_args: dict[str, Any] = Field(default_factory=dict, description="Passed as-is to "
+                                              "vLLM's AsyncEngineArgs (escape hatch).")
 
 
 class PoolConfig(_Section):

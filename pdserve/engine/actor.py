@@ -1,12 +1,14 @@
 """The Ray actor that hosts one engine.
 
 Lifecycle: the driver creates the actor (cheap), then awaits `start()`, which builds the engine
-off the actor's event loop (a vLLM engine takes 20-75 s to start) and returns its `EngineInfo`.
-Requests go in through `submit()`, which returns once the request runs; their deltas come back
-multiplexed on ONE long-lived Ray stream per frontend, `outputs()`, each item a list of every
-delta (or `GenerateFailure`) ready since the previous item. One stream per engine and frontend
-instead of one per request: at thousands of tokens/s a Ray object per token per request
-saturated the frontend's event loop (benchmarks/frontend_stream.py). A frontend names itself
+off the actor's event loop (a vLLM engine takes 20-75 s to start) and returns its `EngineInfo`,
+which advertises the actor's request plane (`request_plane.py`): a socket that carries a
+frontend's submits and aborts in and its outputs back without Ray's per-call cost. Through Ray
+the same goes in through `submit()`, which returns once the request runs, and the deltas come
+back multiplexed on ONE long-lived Ray stream per frontend, `outputs()`, each item a list of
+every delta (or `GenerateFailure`) ready since the previous item. One stream (or link) per
+engine and frontend instead of one per request: at thousands of tokens/s a Ray object per token
+per request saturated the frontend's event loop (benchmarks/frontend_stream.py). A frontend names itself
 as `name@incarnation` (its subscriber): several frontends (ingress replicas) share an engine,
 each reading its own requests' deltas; a restarted frontend (same name, new incarnation)
 subscribing aborts what its dead predecessor left running here. `abort()` ends a request
@@ -28,6 +30,7 @@ from collections.abc import AsyncIterator
 
 from pdserve.engine.protocol import Engine
 from pdserve.engine.registry import build_engine
+from pdserve.engine.request_plane import EngineOutput, PlaneServer, output_batches
 from pdserve.engine.spec import EngineSpec
 from pdserve.engine.step_trace import RequestTraceWriter
 from pdserve.engine.types import (
@@ -36,7 +39,6 @@ from pdserve.engine.types import (
 
 __all__ = ["EngineActor", "EngineOutput", "EngineSpec"]
 
-EngineOutput = GenerateDelta | GenerateFailure
 # Early aborts remembered (ids of requests that finished before their abort land here too).
 _ABORTED_EARLY_KEPT = 4096
 
@@ -69,14 +71,25 @@ class EngineActor:
         # With step tracing on, the same two times per request beside the engine's step trace.
         trace_dir = spec.config.engine.step_trace_dir
         self._requests = RequestTraceWriter(trace_dir, spec.replica_id) if trace_dir else None
+        self._plane: PlaneServer | None = None  # the request plane, once started
 
     async def start(self) -> EngineInfo:
         """Build the engine; called once by the driver, may take minutes."""
         if self._info is None:
             logger.info("starting engine %s (pid %d)", self._spec.replica_id, os.getpid())
             info = await self._engine.start()
-            self._info = dataclasses.replace(info, pid=os.getpid(), node_ip=_node_ip())
+            info = dataclasses.replace(info, pid=os.getpid(), node_ip=_node_ip())
+            self._info = await self._open_plane(info)
         return self._info
+
+    async def _open_plane(self, info: EngineInfo) -> EngineInfo:
+        """Open the request plane (unless configured off) and advertise it in the info."""
+        token = self._spec.config.kv.cluster_token
+        if self._spec.config.engine.request_plane != "direct" or not token:
+            return info
+        self._plane = PlaneServer(self, token, self._spec.replica_id)
+        endpoint = await self._plane.start(info.node_ip)
+        return dataclasses.replace(info, extra={**info.extra, "request_plane": endpoint.as_extra()})
 
     async def submit(self, request: GenerateRequest, subscriber: str = "") -> None:
         """Start one request; its deltas appear on `subscriber`'s `outputs()`. Returns once it
@@ -92,9 +105,15 @@ class EngineActor:
     async def outputs(self, subscriber: str = "") -> AsyncIterator[list[EngineOutput]]:
         """The deltas of every request `subscriber` submitted, in order per request, batched:
         waits for one, then takes all that are queued. Call with
-        `.options(num_returns="streaming")`; a frontend keeps one open per actor. A newer call
-        of the same subscriber takes over: the older stream ends, and outputs not yet taken go
-        to the newer one."""
+        `.options(num_returns="streaming")`; a frontend keeps one open per actor (unless it
+        reaches the actor's request plane). A newer call or link of the same subscriber takes
+        over: the older stream ends, and outputs not yet taken go to the newer one."""
+        async for batch in output_batches(self.attach(subscriber)):
+            yield batch
+
+    def attach(self, subscriber: str) -> asyncio.Queue[EngineOutput | None]:
+        """A fresh output queue for `subscriber`, taking over its current one: the outputs
+        waiting there move over, and whoever reads the old queue gets its end (None)."""
         stream = self._subscribe(subscriber)
         queue: asyncio.Queue[EngineOutput | None] = asyncio.Queue()
         while not stream.queue.empty():
@@ -102,13 +121,20 @@ class EngineActor:
                 queue.put_nowait(item)
         stream.queue.put_nowait(None)  # ends the older stream, if one reads it
         stream.queue = queue
-        while (item := await queue.get()) is not None:
-            batch = [item]
-            while not queue.empty() and (item := queue.get_nowait()) is not None:
-                batch.append(item)
-            yield batch
-            if item is None:
-                return
+        return queue
+
+    def detach(self, subscriber: str, queue: asyncio.Queue[EngineOutput | None]) -> None:
+        """`subscriber`'s request-plane link ended. Unless a newer link or stream took its
+        queue over, nobody will read its requests' outputs: abort them."""
+        stream = self._streams.get(subscriber.partition("@")[0])
+        if stream is None or stream.queue is not queue:
+            return
+        left = [rid for rid, owner in self._owners.items() if owner == subscriber]
+        if left:
+            logger.info("engine %s: the request plane link of %s ended; aborting its %d "
+                        "request(s)", self._spec.replica_id, subscriber, len(left))
+        for rid in left:
+            asyncio.get_running_loop().create_task(self.abort(rid))
 
     async def _run(self, request: GenerateRequest, arrived: float) -> None:
         rid = request.request_id
@@ -223,6 +249,8 @@ class EngineActor:
         await self._engine.renew_kv(kv_transfer_params)
 
     async def shutdown(self) -> None:
+        if self._plane is not None:
+            await self._plane.close()
         for task in list(self._running.values()):
             task.cancel()
         await asyncio.gather(*self._running.values(), return_exceptions=True)

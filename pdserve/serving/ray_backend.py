@@ -29,7 +29,8 @@ from pdserve.errors import (
 from pdserve.models.embedded import ResolvedModel
 from pdserve.scheduler.ledger import LedgerEvent, RequestLedger, ledger_from_config
 from pdserve.serving.actuator import PoolActuator
-from pdserve.serving.engine_outputs import StreamLost
+from pdserve.engine.request_plane import PlaneEndpoint
+from pdserve.serving.engine_outputs import PlaneAccess, StreamLost
 from pdserve.serving.flow import AdmittedStream, FlowOptions, RequestFlow
 from pdserve.serving.metrics import ServingMetrics
 from pdserve.serving.replicas import (
@@ -46,18 +47,23 @@ class RayEngineChannel:
     """One engine actor as the request flow reaches it. A leg whose engine died (the actor or
     its engine core exited, or its output stream broke) raises `EngineDiedError` and the death
     goes to `on_death` (the supervisor); Ray's transient `ActorUnavailableError` fails the leg
-    the same way but reports no death."""
+    the same way but reports no death. `plane_token`: reach the actor through its request plane
+    (engine.request_plane 'direct'); None: through Ray."""
 
-    def __init__(self, replica: Replica, on_death: Callable[[Replica], None]) -> None:
+    def __init__(self, replica: Replica, on_death: Callable[[Replica], None],
+                 plane_token: str | None = None) -> None:
         self._replica = replica
         self._on_death = on_death
+        endpoint = PlaneEndpoint.of(replica.info) if plane_token else None
+        self._plane = PlaneAccess(endpoint, plane_token) if endpoint and plane_token else None
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         replica = self._replica
-        replica.outputs.open(request.request_id)  # before submitting: no delta goes unrouted
+        # Before submitting: no delta goes unrouted.
+        replica.outputs.open(request.request_id, self._plane)
         finished = False
         try:
-            await replica.actor.submit.remote(request, replica.outputs.subscriber)
+            await replica.outputs.submit(request)
             while True:
                 delta = _delta_or_raise(replica, await replica.outputs.next(request.request_id))
                 finished = delta.finished
@@ -177,7 +183,9 @@ class RayBackend:
     def _channel(self, pool: str, replica_id: str) -> RayEngineChannel:
         for replica in self._pools[PoolRole(pool)].replicas:
             if replica.replica_id == replica_id:
-                return RayEngineChannel(replica, self.control.engine_died)
+                token = self._config.kv.cluster_token
+                direct = self._config.engine.request_plane == "direct"
+                return RayEngineChannel(replica, self.control.engine_died, token if direct else None)
         raise EngineUnavailableError(f"engine {replica_id} is gone")
 
     # --- stats ------------------------------------------------------------------------------
@@ -257,7 +265,17 @@ class _EngineDead(Exception):
 
 
 def _abort_quietly(replica: Replica, request_id: str) -> None:
-    try:
-        replica.actor.abort.remote(request_id)  # fire and forget: the stream is already gone
-    except Exception as e:  # noqa: BLE001 - an abort must never mask the original outcome
-        logger.warning("abort of %s on %s failed: %r", request_id, replica.replica_id, e)
+    """Abort a leg whose stream is already gone, without waiting (fire and forget)."""
+    task = asyncio.get_running_loop().create_task(replica.outputs.abort(request_id))
+    _aborts.add(task)
+    task.add_done_callback(_aborted)
+
+
+_aborts: set[asyncio.Task[None]] = set()  # held until done: the loop keeps weak references only
+
+
+def _aborted(task: asyncio.Task[None]) -> None:
+    _aborts.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        # an abort must never mask the original outcome
+        logger.warning("an abort failed: %r", task.exception())

@@ -1,6 +1,7 @@
-"""One multiplexed output stream per engine actor on real local Ray (mock engine): interleaved
-requests reach their own streams in order, an abort ends one request only, and a killed actor
-fails every request in flight on it at once."""
+"""One multiplexed output stream per engine actor on real local Ray (mock engine), through the
+actor's request plane and through Ray: interleaved requests reach their own streams in order,
+an abort ends one request only, and a killed actor fails every request in flight on it at once
+with Ray's verdict (`RayActorError`, which makes the supervisor replace it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from ray.exceptions import RayActorError
 from pdserve.config.schema import PdserveConfig
 from pdserve.engine.actor import EngineActor, EngineSpec
 from pdserve.engine.types import GenerateDelta, GenerateRequest, SamplingOptions
-from pdserve.serving.engine_outputs import EngineOutputs, StreamLost
+from pdserve.engine.request_plane import PlaneEndpoint
+from pdserve.serving.engine_outputs import EngineOutputs, PlaneAccess, StreamLost
 
 pytestmark = pytest.mark.integration
 
@@ -28,14 +30,28 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.fixture
-async def engine(local_ray):
+TOKEN = "integration-token"
+
+
+class Outputs(EngineOutputs):
+    """The frontend's end, with the plane its channel would hand to `open()`."""
+
+    plane: PlaneAccess | None = None
+
+
+@pytest.fixture(params=["direct", "ray"])
+async def engine(local_ray, request):
     config = PdserveConfig.model_validate(
-        {"engine": {"kind": "mock", "mock": {"decode_step_s": 0.005}}})
+        {"engine": {"kind": "mock", "mock": {"decode_step_s": 0.005},
+                    "request_plane": request.param},
+         "kv": {"cluster_token": TOKEN}})
     actor = ray.remote(EngineActor).options(num_cpus=0.1, max_concurrency=4096).remote(
         EngineSpec("colocated-0", "colocated", "m", "m", config))
-    await actor.start.remote()
-    outputs = EngineOutputs("colocated-0", actor)
+    info = await actor.start.remote()
+    endpoint = PlaneEndpoint.of(info)
+    assert (endpoint is not None) == (request.param == "direct")
+    outputs = Outputs("colocated-0", actor)
+    outputs.plane = PlaneAccess(endpoint, TOKEN) if endpoint else None
     yield actor, outputs
     await outputs.aclose()
     ray.kill(actor)
@@ -46,9 +62,9 @@ def request(rid: str, max_tokens: int) -> GenerateRequest:
 
 
 async def run(actor, outputs: EngineOutputs, req: GenerateRequest, received: list) -> None:
-    outputs.open(req.request_id)
+    outputs.open(req.request_id, outputs.plane)
     try:
-        await actor.submit.remote(req, outputs.subscriber)
+        await outputs.submit(req)
         while True:
             output = await outputs.next(req.request_id)
             received.append(output)
@@ -81,7 +97,7 @@ async def test_an_abort_ends_one_request_and_the_others_finish(engine):
         await asyncio.sleep(0.01)
     doomed.cancel()  # the client went away: `_stream` closes its queue and aborts
     await asyncio.gather(doomed, return_exceptions=True)
-    await actor.abort.remote("gone")
+    await outputs.abort("gone")
     await asyncio.wait_for(asyncio.gather(*tasks), 60)
     assert [[d.num_output_tokens for d in k] for k in kept] == [list(range(1, 81))] * 3
     stats = await actor.stats.remote()
