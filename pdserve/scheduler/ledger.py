@@ -58,7 +58,7 @@ class Admission:
     placement: Placement
     prompt_tokens: int
     max_tokens: int
-    hashes: tuple[bytes, ...]  # the prompt's block hashes (empty without prefix awareness)
+    hashes: tuple[int, ...]  # the prompt's block hashes (empty without prefix awareness)
     admitted_at: float
     prefill_pool: str | None  # None: prefilled where it decodes
     decode_pool: str
@@ -236,7 +236,7 @@ class RequestLedger:
         return admission
 
     def place(self, prompt_tokens: int, max_tokens: int,
-              hashes: Sequence[bytes] = ()) -> Placement | Rejection:
+              hashes: Sequence[int] = ()) -> Placement | Rejection:
         """Where a request of this shape would go now, booking nothing (`admit` books it; the
         fluid simulator books a whole cohort with `admit_cohort`)."""
         cached = {}
@@ -437,7 +437,7 @@ class RequestLedger:
             placed.append(admission.engine_of(Leg.PREFILL))
         return placed
 
-    def _hashes(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
+    def _hashes(self, prompt_token_ids: Sequence[int]) -> list[int]:
         if self._prefix is None:
             return []
         return block_hashes(prompt_token_ids, self._prefix.block_size)

@@ -10,21 +10,23 @@ drifting far.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the prompt's full blocks (a partial last block is never cached)."""
-    hashes: list[bytes] = []
-    parent = b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = token_ids[start:start + block_size]
-        digest = hashlib.blake2b(parent + b",".join(str(t).encode() for t in block),
-                                 digest_size=16).digest()
-        hashes.append(digest)
-        parent = digest
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the prompt's full blocks (a partial last block is never cached): each
+    is Python's hash of (the previous block's hash, this block's tokens). Every request pays
+    this on its way to the first token: 22 us for 2048 tokens on the CI host, where blake2b
+    over the tokens formatted as text took 250 us. The index is an estimate inside one
+    process, so a 64-bit hash that is stable there is enough (ints and tuples of ints hash the
+    same in every process)."""
+    ids = tuple(token_ids)
+    hashes: list[int] = []
+    parent = 0
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        parent = hash((parent, ids[start:start + block_size]))
+        hashes.append(parent)
     return hashes
 
 
@@ -34,9 +36,9 @@ class PrefixIndex:
             raise ValueError("block_size and capacity_blocks must be >= 1")
         self.block_size = block_size
         self._capacity = capacity_blocks
-        self._engines: dict[str, OrderedDict[bytes, None]] = {}
+        self._engines: dict[str, OrderedDict[int, None]] = {}
 
-    def cached_tokens(self, replica_id: str, hashes: Sequence[bytes]) -> int:
+    def cached_tokens(self, replica_id: str, hashes: Sequence[int]) -> int:
         blocks = self._engines.get(replica_id)
         if not blocks:
             return 0
@@ -47,7 +49,7 @@ class PrefixIndex:
             hit += 1
         return hit * self.block_size
 
-    def insert(self, replica_id: str, hashes: Sequence[bytes]) -> None:
+    def insert(self, replica_id: str, hashes: Sequence[int]) -> None:
         blocks = self._engines.setdefault(replica_id, OrderedDict())
         for h in hashes:
             blocks[h] = None
