@@ -9,6 +9,7 @@ cluster_token, ...))`; vLLM then loads `PdserveConnector` from this package. Mod
 | `scheduler_side` | scheduler side: what to pin, pull and release (pure state machine) |
 | `worker_side` | worker side: transport endpoints, pins, pulls, completion reports |
 | `pulls` | a decode rank's pulls of one request across the prefill TP ranks |
+| `step_window` | when a decode worker may wait for its pulls inside a step at no cost |
 | `stats` | the connector's transfer stats as vLLM aggregates and logs them |
 | `metadata` | typed values crossing boundaries: kv_transfer_params, per-step plans |
 | `layout` | vLLM KV tensors -> transport regions and compatibility spec |

@@ -45,6 +45,10 @@ _ROLES = {
 # busy-poll for 1 s after each message between the engine and worker processes; NIXL pays the
 # same. 2 ms delays a report or a newly arrived request by at most 2 ms.
 DEFAULT_IDLE_SLEEP_S = 0.002
+# The longest a decode worker's get_finished waits for its pulls in flight while the GPU still runs
+# the step before (step_window: that wait costs the engine nothing). The GPU's step bounds it
+# already; this only bounds a window that never closes. 50 ms: a decode step takes 5-30 ms.
+DEFAULT_STEP_WAIT_MAX_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,7 @@ class ConnectorConfig:
     port: int = 0
     pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S
     idle_sleep_s: float = DEFAULT_IDLE_SLEEP_S
+    step_wait_max_s: float = DEFAULT_STEP_WAIT_MAX_S
     model_id: str | None = None
     nccl_api: str = DEFAULT_NCCL_API
     nccl_max_pairs: int = DEFAULT_NCCL_MAX_PAIRS
@@ -139,14 +144,10 @@ class ConnectorConfig:
                 raise ConfigError(
                     f"kv_connector_extra_config.{name} must be a positive number, got {value!r}"
                 )
-        if (
-            isinstance(self.idle_sleep_s, bool)
-            or not isinstance(self.idle_sleep_s, (int, float))
-            or not (0 <= self.idle_sleep_s <= 0.1)
-        ):
-            raise ConfigError(
-                f"kv_connector_extra_config.idle_sleep_s must be in [0, 0.1], got {self.idle_sleep_s!r}"
-            )
+        for name, most in (("idle_sleep_s", 0.1), ("step_wait_max_s", 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= most:
+                raise ConfigError(f"kv_connector_extra_config.{name} must be in [0, {most}], got {value!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ConfigError(
                 f"kv_connector_extra_config.port must be 0 (any) or a TCP port, got {self.port!r}"
@@ -192,6 +193,7 @@ def kv_transfer_config(
     port: int = 0,
     pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
     idle_sleep_s: float = DEFAULT_IDLE_SLEEP_S,
+    step_wait_max_s: float = DEFAULT_STEP_WAIT_MAX_S,
     model_id: str | None = None,
     engine_id: str | None = None,
     nccl_api: str = DEFAULT_NCCL_API,
@@ -208,8 +210,9 @@ def kv_transfer_config(
     `role`: "prefill", "decode" or "both" (or vLLM's kv_producer / kv_consumer / kv_both).
     `host`: the address this engine's KV source advertises to decode engines. `nccl_api`: how
     NCCL pairs send and receive (transport.defaults.NCCL_API_CHOICES); `nccl_max_pairs` and
-    `nccl_max_pairs_per_session`: the live NCCL pairs a prefill worker holds; `tls_*`: TLS on
-    the KV gRPC channel (transport/tls.py), each set only when given. Validates
+    `nccl_max_pairs_per_session`: the live NCCL pairs a prefill worker holds; `step_wait_max_s`:
+    the longest a decode worker waits for its pulls inside a step (0: never; step_window);
+    `tls_*`: TLS on the KV gRPC channel (transport/tls.py), each set only when given. Validates
     everything now (ConfigError naming the field) rather than at engine start. Pure.
     """
     if role not in _ROLES:
@@ -225,6 +228,8 @@ def kv_transfer_config(
     }
     if idle_sleep_s != DEFAULT_IDLE_SLEEP_S:
         extra["idle_sleep_s"] = idle_sleep_s
+    if step_wait_max_s != DEFAULT_STEP_WAIT_MAX_S:
+        extra["step_wait_max_s"] = step_wait_max_s
     if nccl_api != DEFAULT_NCCL_API:
         extra["nccl_api"] = nccl_api
     if nccl_max_pairs != DEFAULT_NCCL_MAX_PAIRS:

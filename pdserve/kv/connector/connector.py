@@ -118,8 +118,11 @@ class PdserveConnector(KVConnectorBase_V1):
         return PdserveHandshake(self.worker_side.endpoint())
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Worker, every step before the forward: carry out the step's plan at once."""
+        """Worker, every step before the forward: open the step's window (step_window), then
+        carry out the step's plan at once."""
         super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None:
+            self.worker_side.begin_step()
         self._apply()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -139,7 +142,8 @@ class PdserveConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Worker, every step: (requests whose blocks may be freed, requests whose load ended).
-        Sleeps ~2 ms on idle steps with transfers outstanding (see WorkerSide.get_finished)."""
+        Waits for pulls in flight while the GPU still runs the step before, and sleeps ~2 ms on
+        idle steps with transfers outstanding (see WorkerSide.get_finished)."""
         assert self.worker_side is not None
         self._apply()
         sending, recving = self.worker_side.get_finished()

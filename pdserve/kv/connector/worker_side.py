@@ -12,11 +12,13 @@ by the decode side, or lease expiry). Transport threads end pins; `_on_release` 
 under a lock, and the engine thread reports it at the next `get_finished`.
 
 Decode pulls: started at once (`BlockSink.start_pull` never blocks), polled each step, each
-reported exactly once in the receiving set, whether it succeeded or failed. A failed pull's
-destination blocks are reported by `take_load_errors` in the same step, so vLLM applies
-kv_load_failure_policy; the remote pin is released (best effort; its lease covers the rest).
-The transports bound every pull (gRPC deadline, NCCL pair timeout), so none hangs. When the
-prefill and decode TP sizes differ, a request's pull is one transport pull per prefill rank
+reported exactly once in the receiving set, whether it succeeded or failed. get_finished waits
+for the pulls in flight while the GPU still runs the step before (step_window: the engine
+thread would block that long anyway), so a pull that ends meanwhile is reported a step earlier.
+A failed pull's destination blocks are reported by `take_load_errors` in the same step, so vLLM
+applies kv_load_failure_policy; the remote pin is released (best effort; its lease covers the
+rest). The transports bound every pull (gRPC deadline, NCCL pair timeout), so none hangs. When
+the prefill and decode TP sizes differ, a request's pull is one transport pull per prefill rank
 holding some of this rank's KV heads, reported once all of them ended (pulls.py).
 """
 
@@ -37,6 +39,7 @@ from pdserve.kv.connector.config import ConnectorConfig
 from pdserve.kv.connector.layout import build_layout, build_regions
 from pdserve.kv.connector.metadata import KVPin, KVPull, RemotePrefill, StepPlan, WorkerEndpoint
 from pdserve.kv.connector.pulls import PullGroup, SourcePlan, plan_sources
+from pdserve.kv.connector.step_window import ClosedWindow, StepWindow, wait_for_pulls, window_for
 from pdserve.kv.transport.base import BlockSink, BlockSource, KVTransfer, ReleaseCallback, TransferState
 from pdserve.kv.transport.leases import ReleaseReason
 from pdserve.kv.transport.regions import BlockRegion, KVLayoutSpec
@@ -164,6 +167,7 @@ class WorkerSide:
         num_blocks: int,
         model_id: str,
         transports: Transports | None = None,
+        window: StepWindow | None = None,
     ):
         self.config = config
         self.transports = transports or NetworkTransports(config)
@@ -184,6 +188,10 @@ class WorkerSide:
         self._plan: StepPlan | None = None
         self.history: deque[PullRecord] = deque(maxlen=_HISTORY)
         self._unreported: list[PullRecord] = []
+        # The step window (step_window): the one given (tests), else the KV cache's device's,
+        # chosen in register_kv_caches.
+        self.window: StepWindow = window or ClosedWindow()
+        self._window_given = window is not None
 
     # ---- start and stop ------------------------------------------------------------------
 
@@ -208,6 +216,8 @@ class WorkerSide:
             tp_size=tp_size,
             num_kv_heads=heads.total if heads is not None else 0,
         )
+        if not self._window_given:
+            self.window = window_for(self.regions)
         if self.config.is_producer:
             self.source = self.transports.make_source(
                 self.layout,
@@ -262,6 +272,14 @@ class WorkerSide:
             self.source = None
 
     # ---- each step -----------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Opens the step's window (step_window). Called by the facade from
+        bind_connector_metadata, the step's first hook, before its forward is queued."""
+        try:
+            self.window.open()
+        except Exception:  # noqa: BLE001 - the wait only saves time: it never fails a step
+            self._drop_window()
 
     def apply(self, plan: StepPlan) -> None:
         """Carries out a step's plan once, however many hooks hand it over. Called by the
@@ -380,10 +398,13 @@ class WorkerSide:
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(prefill requests whose blocks may be freed, decode requests whose pull ended).
 
-        Called by vLLM's model runner once per step on the engine thread; never blocks on the
-        network. On a step that scheduled no tokens while transfers are outstanding it sleeps
+        Called by vLLM's model runner once per step on the engine thread, after the step's
+        forward is queued. Waits for the pulls in flight only while the GPU still runs the step
+        before (step_window; at most `step_wait_max_s`); never otherwise blocks on the network.
+        On a step that scheduled no tokens while transfers are outstanding it sleeps
         `idle_sleep_s` to slow vLLM's idle loop (see config.DEFAULT_IDLE_SLEEP_S).
         """
+        self._wait_in_window()
         with self._lock:
             sending, self._ready = self._ready, set()
             for request_id in sending:
@@ -395,6 +416,20 @@ class WorkerSide:
         if idle and not sending and not recving and (self._pulls or self._sends) and self.config.idle_sleep_s:
             time.sleep(self.config.idle_sleep_s)
         return sending, recving
+
+    def _wait_in_window(self) -> None:
+        """Waits for the pulls in flight while the step's window is open, then closes it."""
+        try:
+            if self._pulls and self.config.step_wait_max_s:
+                transfers = [t for group, _, _ in self._pulls.values() for t in group.transfers]
+                wait_for_pulls(transfers, self.window, self.config.step_wait_max_s)
+            self.window.close()
+        except Exception:  # noqa: BLE001 - the wait only saves time: it never fails a step
+            self._drop_window()
+
+    def _drop_window(self) -> None:
+        logger.warning("step window failed; reporting pulls without waiting from now on", exc_info=True)
+        self.window = ClosedWindow()
 
     def _finish_pull(self, request_id: str) -> None:
         handle, pull, plan = self._pulls.pop(request_id)

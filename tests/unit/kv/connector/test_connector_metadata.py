@@ -109,6 +109,14 @@ def test_kv_transfer_config_builds_what_vllm_expects() -> None:
     assert parsed.is_consumer and not parsed.is_producer and parsed.lease_s == 10
 
 
+def test_the_step_wait_is_on_by_default_and_can_be_turned_off() -> None:
+    default = kv_transfer_config("decode", "nccl", "t")
+    assert ConnectorConfig.from_vllm(SimpleNamespace(**default)).step_wait_max_s == 0.05
+    off = kv_transfer_config("decode", "nccl", "t", step_wait_max_s=0)
+    assert off["kv_connector_extra_config"]["step_wait_max_s"] == 0
+    assert ConnectorConfig.from_vllm(SimpleNamespace(**off)).step_wait_max_s == 0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -122,6 +130,8 @@ def test_kv_transfer_config_builds_what_vllm_expects() -> None:
         ({"nccl_api": "fast"}, "nccl_api"),
         ({"nccl_max_pairs": 0}, "nccl_max_pairs"),
         ({"nccl_max_pairs_per_session": True}, "nccl_max_pairs_per_session"),
+        ({"step_wait_max_s": -0.01}, "step_wait_max_s"),
+        ({"step_wait_max_s": 2.0}, "step_wait_max_s"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(kwargs: dict, field: str) -> None:

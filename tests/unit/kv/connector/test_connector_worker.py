@@ -1,5 +1,6 @@
 """The connector's worker side over the fake transport, driven by real scheduler-side plans:
-pins, leases, pulls, failures, and exactly-once completion reports."""
+pins, leases, pulls, failures, exactly-once completion reports, and the step window (a pull
+reported in its own step when it ends while the GPU still runs the step before)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pdserve.kv.connector import worker_side
 from pdserve.kv.connector.compat import ScheduledRequest
 from pdserve.kv.connector.metadata import StepPlan
 from pdserve.kv.connector.scheduler_side import SchedulerSide
+from pdserve.kv.connector.step_window import ClosedWindow, StepWindow
 from pdserve.kv.connector.worker_side import WorkerSide
 
 pytestmark = pytest.mark.unit
@@ -23,7 +25,15 @@ NUM_BLOCKS = 16
 class Engine(Stepping):
     """One engine's two connector sides (scheduler + one worker) over shared fake transports."""
 
-    def __init__(self, role: str, transports: FakeTransports, *, seed: int, **extra: object):
+    def __init__(
+        self,
+        role: str,
+        transports: FakeTransports,
+        *,
+        seed: int,
+        window: StepWindow | None = None,
+        **extra: object,
+    ):
         self.config = config(role, **extra)
         self.scheduler = SchedulerSide(self.config, engine_id=f"{role}-engine", block_size=BLOCK)
         self.worker = WorkerSide(
@@ -33,6 +43,7 @@ class Engine(Stepping):
             num_blocks=NUM_BLOCKS,
             model_id="m",
             transports=transports,
+            window=window,
         )
         self.caches = kv_caches(NUM_BLOCKS, seed=seed)
         self.worker.register_kv_caches(self.caches, tp_rank=0, tp_size=1)
@@ -42,8 +53,10 @@ class Engine(Stepping):
         self.load_errors: set[int] = set()
 
     def step(self, scheduled: list[ScheduledRequest] | None = None, tokens: int = 0) -> StepPlan:
-        """One engine step: plan, apply, report."""
+        """One engine step as vLLM's hooks run it: plan, bind (the window opens, the plan is
+        applied), forward, report."""
         plan = self.scheduler.build_step_plan(scheduled or [], tokens)
+        self.worker.begin_step()
         self.worker.apply(plan)
         sending, recving = self.worker.get_finished()
         self.sent += sorted(sending)
@@ -220,3 +233,145 @@ def test_idle_steps_with_outstanding_transfers_sleep(transports: FakeTransports,
     p.step(tokens=5)  # a busy step never sleeps
 
     assert sleeps == [p.config.idle_sleep_s]
+
+
+# ---- the step window: a pull reported in its own step ------------------------------------------
+
+
+class BusyGpu:
+    """A step window under the test's control: open from `open()` (the step's bind) for
+    `checks` calls of `is_open` (None: until the step's report closes it), as if the GPU ran
+    the step before that long."""
+
+    def __init__(self, checks: int | None = None):
+        self.checks = checks
+        self.opened = 0
+        self._left: int | None = None
+        self._open = False
+
+    def open(self) -> None:
+        self.opened += 1
+        self._open, self._left = True, self.checks
+
+    def is_open(self) -> bool:
+        if self._left is not None:
+            self._left -= 1
+            self._open = self._open and self._left >= 0
+        return self._open
+
+    def close(self) -> None:
+        self._open = False
+
+
+def test_pull_ending_while_the_gpu_runs_the_step_before_is_reported_in_its_own_step(
+    transports: FakeTransports,
+) -> None:
+    # vLLM admits a request the second step after the one whose get_finished reported its pull:
+    # reported in the step that started it, it decodes a step earlier than one step later.
+    transports.fabric.delay_s = 0.005  # per piece: the pull still moves when get_finished comes
+    p = Engine("kv_producer", transports, seed=1)
+    d = Engine("kv_consumer", transports, seed=2, window=BusyGpu())
+    _, params = prefill(p, 300)
+    p.step()
+    dst = start_decode(d, 300, params)
+
+    d.step(tokens=7)  # bind starts the pull; get_finished waits while the GPU is busy
+
+    assert d.received == ["d-1"] and not d.load_errors
+    for src_block, dst_block in zip(params["remote_block_ids"], dst, strict=True):
+        assert torch.equal(p.block(src_block), d.block(dst_block))
+    assert d.worker.num_outstanding == 0
+
+
+def test_the_wait_ends_with_the_step_before(transports: FakeTransports) -> None:
+    transports.fabric.delay_s = 0.3
+    p = Engine("kv_producer", transports, seed=1)
+    gpu = BusyGpu(checks=3)
+    d = Engine("kv_consumer", transports, seed=2, window=gpu)
+    _, params = prefill(p, 300)
+    p.step()
+    start_decode(d, 300, params)
+
+    d.step(tokens=7)  # the GPU finishes the step before long before the pull ends
+
+    assert not d.received and d.worker.num_outstanding == 1 and gpu.opened == 1
+    d.step_until(lambda: d.received, "the pull, reported in a later step")
+    assert d.received == ["d-1"]
+
+
+@pytest.mark.parametrize("case", ["unbound step", "no wait configured", "capped"])
+def test_no_wait_without_an_open_window_or_past_the_cap(transports: FakeTransports, case: str) -> None:
+    transports.fabric.delay_s = 0.3
+    p = Engine("kv_producer", transports, seed=1)
+    extra = {"step_wait_max_s": 0 if case == "no wait configured" else 0.02}
+    d = Engine("kv_consumer", transports, seed=2, window=BusyGpu(), **extra)
+    _, params = prefill(p, 300)
+    p.step()
+    start_decode(d, 300, params)
+    plan = d.scheduler.build_step_plan([], 7)
+
+    if case != "unbound step":
+        d.worker.begin_step()
+    d.worker.apply(plan)
+    _, recving = d.worker.get_finished()
+
+    assert not recving and d.worker.num_outstanding == 1
+    assert not d.worker.window.is_open()  # the report closes the step's window
+
+
+class BrokenGpu(BusyGpu):
+    def is_open(self) -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_failing_window_is_dropped_and_the_step_still_reports(transports: FakeTransports) -> None:
+    p = Engine("kv_producer", transports, seed=1)
+    d = Engine("kv_consumer", transports, seed=2, window=BrokenGpu())
+    _, params = prefill(p, 300)
+    p.step()
+    start_decode(d, 300, params)
+
+    d.step(tokens=7)
+
+    assert isinstance(d.worker.window, ClosedWindow)
+    d.step_until(lambda: d.received, "the pull, reported without the window")
+
+
+def test_a_cpu_kv_cache_gets_no_window(transports: FakeTransports) -> None:
+    d = Engine("kv_consumer", transports, seed=2)
+    assert isinstance(d.worker.window, ClosedWindow)
+
+
+def test_the_facade_opens_the_window_at_bind_so_get_finished_reports_the_pull(
+    transports: FakeTransports,
+) -> None:
+    # vLLM's hook order in a step: bind_connector_metadata, start_load_kv, (forward),
+    # wait_for_save, get_finished.
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from pdserve.kv.connector.config import kv_transfer_config
+    from pdserve.kv.connector.connector import PdserveConnector, PdserveConnectorMetadata
+
+    transports.fabric.delay_s = 0.005
+    p = Engine("kv_producer", transports, seed=1)
+    d = Engine("kv_consumer", transports, seed=2, window=BusyGpu())
+    _, params = prefill(p, 300)
+    p.step()
+    start_decode(d, 300, params)
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(**kv_transfer_config("decode", "grpc", "t", engine_id="d")),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        model_config=SimpleNamespace(served_model_name="m", model="m"),
+    )
+    facade = PdserveConnector(vllm_config, KVConnectorRole.WORKER, SimpleNamespace(num_blocks=NUM_BLOCKS))
+    facade.worker_side = d.worker
+
+    facade.bind_connector_metadata(PdserveConnectorMetadata(d.scheduler.build_step_plan([], 7)))
+    facade.start_load_kv(None)
+    facade.wait_for_save()
+    sending, recving = facade.get_finished(set())
+
+    assert recving == {"d-1"} and sending is None
+    assert d.worker.window.opened == 1 and not d.worker.window.is_open()
