@@ -49,6 +49,7 @@ _SERVE_FLAGS: dict[str, str] = {
     "max_decode": "autoscale.decode.max_replicas",
     "max_gpus": "autoscale.max_gpus",
     "profile": "scheduler.profile",
+    "adaptive": "scheduler.overflow_ttft_share",
     "api_key": "api.api_keys",
     "ssl_certfile": "api.ssl_certfile",
     "ssl_keyfile": "api.ssl_keyfile",
@@ -112,6 +113,10 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--tensor-parallel-size", type=int, help="GPUs per engine (every pool)")
     p.add_argument("--prefill-tp", type=int, help="GPUs per prefill engine (default: --tensor-parallel-size)")
     p.add_argument("--decode-tp", type=int, help="GPUs per decode engine (default: --tensor-parallel-size)")
+    p.add_argument("--adaptive", type=float, nargs="?", const=0.5, metavar="SHARE",
+                   help="disaggregated: decode engines also prefill once the prefill pool is behind "
+                   "(a remote prefill predicts a TTFT above SHARE of --ttft-ms, default 0.5) and "
+                   "--tpot-ms leaves room (scheduler.overflow_ttft_share)")
     p.add_argument("--transport", choices=["grpc", "nccl", "cuda_ipc"],
                    help="KV transfer transport (nccl runs over gloo on CPU-only hosts)")
     p.add_argument("--max-num-seqs", type=int, help="most concurrent requests per engine")

@@ -14,15 +14,12 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
+from pdserve.config.section import MockEngineConfig, Section as _Section  # noqa: F401 (re-export)
 from pdserve.kv.transport.defaults import (
     DEFAULT_LEASE_S, DEFAULT_NCCL_API, DEFAULT_NCCL_MAX_PAIRS, DEFAULT_NCCL_MAX_PAIRS_PER_SESSION,
 )
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class ServingMode(StrEnum):
@@ -68,21 +65,6 @@ class ModelConfig(_Section):
     )
     load_format: str = Field("auto", description="vLLM load format; 'dummy': random weights, real shape.")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint.")
-
-
-class MockEngineConfig(_Section):
-    """Timings of the model-free mock engine (pdserve.engine.mock_engine), a simple latency model."""
-
-    prefill_tokens_per_s: float = Field(4000.0, gt=0, description="Prompt tokens prefilled per second.")
-    decode_step_s: float = Field(0.01, ge=0, description="Time of one decode step at batch size 1.")
-    decode_step_per_seq_s: float = Field(
-        0.0002, ge=0, description="Extra decode step time per running request (batch cost)."
-    )
-    max_model_len: int = Field(2048, ge=16, description="Context length the mock reports.")
-    block_size: int = Field(16, ge=1, description="KV block size in tokens.")
-    num_kv_blocks: int = Field(4096, ge=1, description="KV blocks per mock engine.")
-    kv_bytes_per_token: int = Field(131072, ge=1, description="KV per prompt token (Llama-3.1-8B: 128 KiB).")
-    transfer_bytes_per_s: float = Field(50e9, gt=0, description="Simulated KV pull bandwidth of decode legs.")
 
 
 class EngineConfig(_Section):
@@ -285,6 +267,13 @@ class SchedulerConfig(_Section):
     )
     prefix_aware: bool = Field(
         True, description="Track which prompt prefixes each engine caches and route toward hits.")
+    overflow_ttft_share: float | None = Field(
+        None, gt=0, description="Adaptive disaggregation: once the best remote prefill predicts a "
+        "TTFT above this share of slo.ttft_ms (the prefill pool is behind), decode engines also "
+        "prefill prompts of any length, where that is faster and keeps their predicted TPOT within "
+        "slo.tpot_ms; None: only what local_prefill_max_tokens allows. Needs an SLO "
+        "(`pdserve serve --adaptive` sets 0.5).",
+    )
 
 
 class AutoscaleBounds(_Section):
@@ -560,6 +549,10 @@ class PdserveConfig(_Section):
                 raise ValueError(
                     f"pools.{role.value}.replicas must be >= 1 in {self.mode.value} mode"
                 )
+        if self.scheduler.overflow_ttft_share is not None and (
+                self.mode is not ServingMode.DISAGGREGATED or not self.slo.defined):
+            raise ValueError("scheduler.overflow_ttft_share (adaptive disaggregation) needs "
+                             "disaggregated mode and slo.ttft_ms and slo.tpot_ms")
         return self
 
     @model_validator(mode="after")

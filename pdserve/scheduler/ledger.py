@@ -529,7 +529,8 @@ def ledger_from_config(config: PdserveConfig, pools: list[str], block_size: int,
     """The ledger a backend starts with: routing policy, SLO targets and prefix awareness from
     the config, the performance model from `seed_model`."""
     policy = RoutingPolicy(local_prefill_max_tokens=config.scheduler.local_prefill_max_tokens,
-                           admit_ttft_factor=config.scheduler.admit_ttft_factor)
+                           admit_ttft_factor=config.scheduler.admit_ttft_factor,
+                           overflow_ttft_share=config.scheduler.overflow_ttft_share)
     return RequestLedger(pools, seed_model(config), SloTargets.from_config(config.slo), policy,
                          config.scheduler.window_s, config.scheduler.prefix_aware,
                          max(block_size, 1), observer)

@@ -14,6 +14,13 @@ Disaggregated placement (`place`):
   its tokens are uncached there (at most `local_prefill_max_tokens`, a setting or, when None,
   what that engine prefills within one TPOT of stall) and that predicts a TTFT no worse than the
   remote path;
+- adaptive disaggregation (`overflow_ttft_share`): when the prefill pool falls behind (the best
+  remote prefill predicts a TTFT above that share of the target), a decode engine prefills a
+  prompt of any length itself, if that predicts a lower TTFT and keeps its predicted TPOT, with
+  every prompt queued there, within the target. The decode engines then take both roles, as
+  colocated engines do, exactly while the prefill pool cannot meet the TTFT target alone and
+  the TPOT target leaves room: 1P1D's prefill-bound knee moves toward colocated's, and below it
+  nothing changes;
 - admission: when even the best placement predicts a TTFT beyond `admit_ttft_factor` x the
   target, or no decode engine has room for the request's KV, the answer is a `Rejection` with a
   retry hint (the frontend turns it into a 429). A request whose engine has nothing queued
@@ -68,6 +75,9 @@ class RoutingPolicy:
     local_stall_tpots: float = 1.0
     # Refuse a request whose best predicted TTFT exceeds this multiple of the target.
     admit_ttft_factor: float = 4.0
+    # Adaptive disaggregation: decode engines also prefill once the best remote prefill predicts
+    # a TTFT above this share of the target (needs an SLO); None: never beyond the limit above.
+    overflow_ttft_share: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +86,7 @@ class Placement:
     prefill: str | None  # None: prefilled on the decode engine (local or colocated)
     predicted_ttft_s: float
     predicted_tpot_s: float
-    reason: str  # "remote", "local_short_prompt", "local_cached", "colocated"
+    reason: str  # "remote", "local_short_prompt", "local_cached", "overflow", "colocated"
     # Prompt tokens queued ahead of this request on the engine that prefills it (admission
     # never refuses a request that would start at once).
     queued_ahead_tokens: int = 0
@@ -155,12 +165,18 @@ def place(
             best_prefill.queued_prefill_tokens))
     limit = local_prefill_limit(policy, decode_model, slo)
     local = [d for d in roomy if request.uncached(d.replica_id) <= limit]
+    if _overflowing(options, policy, slo):
+        assert slo is not None
+        local += [d for d in roomy if d not in local
+                  and overflow_tpot(d, request, decode_model) <= slo.tpot_s]
     if local:
         best_local = min(local, key=lambda d: (predicted_ttft(d, request, decode_model),
                                                predicted_tpot(d, decode_model), d.num_decoding,
                                                d.replica_id))
         cached = request.cached_tokens.get(best_local.replica_id, 0)
         reason = "local_cached" if cached > request.prompt_tokens // 2 else "local_short_prompt"
+        if request.uncached(best_local.replica_id) > limit:
+            reason = "overflow"
         ttft = predicted_ttft(best_local, request, decode_model)
         # The local prefill stalls the decode batch once: spread over this request's tokens.
         stall = decode_model.prefill_s(request.uncached(best_local.replica_id))
@@ -176,6 +192,23 @@ def place(
                                  best.queued_prefill_tokens))
     chosen = min(options, key=lambda o: (o.predicted_ttft_s, o.prefill is None))
     return _admit(chosen, slo, policy)
+
+
+def overflow_tpot(load: EngineLoad, request: RouteRequest, model: PerfModel) -> float:
+    """A decode engine's predicted TPOT if it also prefills this prompt: its decode step with
+    this request in the batch, plus every prompt queued there and this one, spread over this
+    request's tokens (each prefill stalls the whole batch once)."""
+    stall = model.prefill_s(load.queued_prefill_tokens + request.uncached(load.replica_id))
+    return predicted_tpot(load, model) + stall / max(request.max_tokens, 1)
+
+
+def _overflowing(options: Sequence[Placement], policy: RoutingPolicy,
+                 slo: SloTargets | None) -> bool:
+    """Whether the prefill pool is behind: no remote option, or the best one predicts a TTFT
+    above `overflow_ttft_share` of the target."""
+    if policy.overflow_ttft_share is None or slo is None:
+        return False
+    return not options or options[0].predicted_ttft_s > slo.ttft_s * policy.overflow_ttft_share
 
 
 def place_colocated(

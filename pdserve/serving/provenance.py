@@ -9,7 +9,8 @@ the placement only, and the log line the rest):
 - `x-pdserve-prefill-engine`, `x-pdserve-decode-engine`: the engines (the decode engine the
   request ended on);
 - `x-pdserve-path`: `remote` (prefill engine, KV pulled), `local_short_prompt` /
-  `local_cached` (prefilled on the decode engine), `colocated`;
+  `local_cached` / `overflow` (prefilled on the decode engine; `overflow`: adaptive
+  disaggregation, the prefill pool was behind), `colocated`;
 - `x-pdserve-kv`: `pulled`, `recomputed_pull_failed` (the connector recomputed the prompt),
   `recomputed_prefill_failed` (the prefill engine died; the decode engine prefilled),
   `not_needed` (the first token ended the request), or `local`;

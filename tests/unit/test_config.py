@@ -94,3 +94,19 @@ def test_json_schema_has_descriptions():
     schema = json.loads(config_json_schema())
     api = schema["$defs"]["ApiConfig"]["properties"]
     assert "description" in api["port"]
+
+
+def test_adaptive_disaggregation_from_the_cli_and_its_requirements():
+    args = build_parser().parse_args(
+        ["serve", "--engine", "mock", "--mode", "disaggregated", "--adaptive", "--ttft-ms", "500",
+         "--tpot-ms", "20"])
+    assert load_config(None, serve_overrides(args)).scheduler.overflow_ttft_share == 0.5
+    args = build_parser().parse_args(
+        ["serve", "--engine", "mock", "--mode", "disaggregated", "--adaptive", "0.8",
+         "--ttft-ms", "500", "--tpot-ms", "20"])
+    assert load_config(None, serve_overrides(args)).scheduler.overflow_ttft_share == 0.8
+    for flags in (["--mode", "colocated", "--ttft-ms", "500", "--tpot-ms", "20"],
+                  ["--mode", "disaggregated"]):
+        args = build_parser().parse_args(["serve", "--engine", "mock", "--adaptive", *flags])
+        with pytest.raises(Exception, match="overflow_ttft_share"):
+            load_config(None, serve_overrides(args))

@@ -154,3 +154,51 @@ def test_a_prefill_engine_without_kv_room_for_the_prompt_gets_nothing():
     # With no prefill engine that has room, the decode engine prefills the prompt itself.
     placed = place(RouteRequest(320, 10), prefill[:1], [EngineLoad("d0")], MODEL, MODEL)
     assert placed.prefill is None and placed.decode == "d0"
+
+
+# --- adaptive disaggregation (overflow_ttft_share) ------------------------------------------
+ADAPTIVE = RoutingPolicy(overflow_ttft_share=0.5)
+
+
+def test_a_prefill_pool_behind_the_target_overflows_long_prompts_to_the_decode_engines():
+    # p0 has 900 tokens queued: a 500-token prompt would see its first token after 1.4 s, past
+    # the 1 s target; d0 prefills it at once (0.5 s) and its TPOT stays 11 ms + 0.5 s / 100.
+    prefill, decode = [EngineLoad("p0", queued_prefill_tokens=900)], [EngineLoad("d0")]
+    request = RouteRequest(500, 100)
+    assert place(request, prefill, decode, MODEL, MODEL, SLO).prefill == "p0"  # off: never
+    placed = place(request, prefill, decode, MODEL, MODEL, SLO, ADAPTIVE)
+    assert placed.local and placed.decode == "d0" and placed.reason == "overflow"
+    assert placed.predicted_ttft_s == pytest.approx(0.5)
+    assert placed.predicted_tpot_s == pytest.approx(0.011 + 0.5 / 100)
+
+
+def test_a_prefill_pool_keeping_up_keeps_every_long_prompt():
+    # 400 queued: 0.9 s predicted, above half the target (0.5 s) -> overflow; 0 queued: 0.5 s,
+    # not above it -> remote, even though d0 is as fast.
+    request = RouteRequest(500, 100)
+    behind = place(request, [EngineLoad("p0", queued_prefill_tokens=400)], [EngineLoad("d0")],
+                   MODEL, MODEL, SLO, ADAPTIVE)
+    keeping_up = place(request, [EngineLoad("p0")], [EngineLoad("d0")], MODEL, MODEL, SLO, ADAPTIVE)
+    assert behind.reason == "overflow" and keeping_up.reason == "remote"
+
+
+def test_overflow_never_takes_a_decode_engine_past_the_tpot_target():
+    # d0's batch of 5 decodes at 16 ms; prefilling 500 tokens there adds 5 ms per token of a
+    # 100-token request: 21 ms > 20 ms. d1 (batch 1) has room; with only d0, the prompt stays
+    # queued on the prefill engine.
+    prefill = [EngineLoad("p0", queued_prefill_tokens=900)]
+    request = RouteRequest(500, 100)
+    busy = [EngineLoad("d0", num_decoding=5)]
+    assert place(request, prefill, busy, MODEL, MODEL, SLO, ADAPTIVE).prefill == "p0"
+    roomy = place(request, prefill, busy + [EngineLoad("d1")], MODEL, MODEL, SLO, ADAPTIVE)
+    assert roomy.local and roomy.decode == "d1"
+    # Prompts already queued on a decode engine count against its TPOT too.
+    queued = [EngineLoad("d0", queued_prefill_tokens=600)]
+    assert place(request, prefill, queued, MODEL, MODEL, SLO, ADAPTIVE).prefill == "p0"
+
+
+def test_overflow_needs_an_slo():
+    request = RouteRequest(500, 100)
+    placed = place(request, [EngineLoad("p0", queued_prefill_tokens=5000)], [EngineLoad("d0")],
+                   MODEL, MODEL, None, ADAPTIVE)
+    assert placed.prefill == "p0"
