@@ -207,46 +207,54 @@ def measure_main(args: argparse.Namespace) -> None:
     """Measuring sink (sees "1,0"): every row of the table, written as one JSON line."""
     import torch
 
-    from pdserve.kv.transport import gpu_copy, peer_copy
+    from pdserve.kv.transport import peer_copy
     from pdserve.kv.transport.cuda_ipc import CudaIpcSink
     from pdserve.kv.transport.nccl import NcclSink
 
     sizes = [int(s) for s in args.sizes_mib.split(",")]
     puller = Puller(args.blocks)
     layout = puller.shape.layout()
-    ipc = CudaIpcSink(
-        layout, puller.regions, engine_id="ipc-sink", cluster_token=TOKEN, nccl_fallback=False, trace=True
-    )
+    common = {"cluster_token": TOKEN, "nccl_fallback": False, "trace": True}
+    ipc = CudaIpcSink(layout, puller.regions, engine_id="ipc-sink", **common)
+    # The same transport launching each copy's three steps one by one (no graph): the comparison.
+    steps = CudaIpcSink(layout, puller.regions, engine_id="ipc-steps", graphs=False, **common)
     nccl = NcclSink(layout, puller.regions, engine_id="nccl-sink", cluster_token=TOKEN)
     ipc.handshake(puller.source.address)
+    steps.handshake(puller.source.address)
+    link = ipc._links[puller.source.address]
     rows: list[dict] = []
     for mib in sizes:
         blocks = (mib << 20) // BLOCK_BYTES
         rows.append({"path": "cuda_ipc", **puller.timed(ipc, blocks, args.repeats)})
         rows[-1]["phases_ms"] = phases(list(ipc.link_traces)[-args.repeats - 1 : -1])
+        if mib == 256:
+            rows.append({"path": "cuda_ipc_steps", **puller.timed(steps, blocks, args.repeats)})
         rows.append({"path": "nccl", **puller.timed(nccl, blocks, args.repeats)})
         rows.append({"path": "peer_copy", **peer_copy_baseline(torch, mib << 20, args.repeats)})
-        link = ipc._links[puller.source.address]
-        rows.append(
-            {"path": "ipc_kernel", **kernel_only(torch, gpu_copy, peer_copy, link, ipc.launch, blocks, args)}
-        )
+        rows.append({"path": "ipc_kernel", **kernel_only(torch, peer_copy, link, ipc.launch, blocks, args)})
         print(json.dumps(rows[-4:]), file=sys.stderr, flush=True)
     blocks = (256 << 20) // BLOCK_BYTES
     for path, sink in (("cuda_ipc_x4", ipc), ("nccl_x4", nccl)):
         rows.append({"path": path, **puller.back_to_back(sink, blocks, 4, args.repeats)})
     sweep = []
-    blocks = (256 << 20) // BLOCK_BYTES
-    link = ipc._links[puller.source.address]
-    for block_elems in (1024, 2048, 4096, 8192):
-        for num_warps in (4, 8, 16):
-            launch = {"block_elems": block_elems, "num_warps": num_warps}
-            row = kernel_only(torch, gpu_copy, peer_copy, link, launch, blocks, args)
-            sweep.append({"block_elems": block_elems, "num_warps": num_warps, **row})
-    costs = host_costs(torch, np_module(), peer_copy, ipc, link)
-    print(json.dumps({"rows": rows, "sweep": sweep, "host_us": costs}), flush=True)
-    ipc.close()
-    nccl.close()
+    for block_elems, num_warps, programs_per_sm, streaming in SWEEP:
+        launch = peer_copy.LaunchSettings(block_elems, num_warps, programs_per_sm, streaming=streaming)
+        row = kernel_only(torch, peer_copy, link, launch, blocks, args)
+        settings = {"block_elems": block_elems, "num_warps": num_warps, "programs_per_sm": programs_per_sm}
+        sweep.append(settings | {"streaming": streaming} | row)
+    costs = host_costs(torch, np_module(), peer_copy, ipc, link, steps._links[puller.source.address])
+    graph_errors = {"graphs": link.ring.graph_error, "programs": link.ring.programs}
+    print(json.dumps({"rows": rows, "sweep": sweep, "host_us": costs, "ring": graph_errors}), flush=True)
+    for sink in (ipc, steps, nccl):
+        sink.close()
     puller.source.close()
+
+
+# Kernel settings timed alone at 256 MiB: (int32 per step, warps, programs per SM, streaming).
+SWEEP = [
+    (4096, 8, 8, False), (4096, 8, 8, True), (4096, 8, 2, False), (4096, 4, 8, False),
+    (8192, 8, 4, False), (8192, 8, 4, True), (8192, 8, 2, False), (8192, 8, 2, True),
+]  # fmt: skip
 
 
 def np_module():
@@ -255,23 +263,17 @@ def np_module():
     return numpy
 
 
-def host_costs(torch, np, peer_copy, sink, link, count: int = 200) -> dict[str, float]:
-    """Mean host microseconds of the steps of a link pull's start (128 blocks), each alone."""
+def host_costs(torch, np, peer_copy, sink, link, steps_link, count: int = 200) -> dict[str, float]:
+    """Mean host microseconds of the steps of a link pull's start (128 blocks), each alone; the
+    launches copy nothing (zero blocks), so the GPU never holds the loop up."""
     src, dst = list(range(0, 256, 2)), list(range(1, 256, 2))
-    ids = np.array(src + dst, dtype=np.int64)
-    on_device = torch.tensor(src + dst, device="cuda:0")
+    buffer = peer_copy.id_buffer(np.zeros(2 + 2 * 128, dtype=np.int64))
     steps = {
         "check_block_ids": lambda: sink._check_block_ids(src, dst),
-        "ids_to_numpy": lambda: np.array([*src, *dst], dtype=np.int64),
-        "upload_ring": lambda: link._upload(ids),
-        "upload_pinned_tensor": lambda: torch.tensor(src + dst, dtype=torch.int64, pin_memory=True).to(
-            "cuda:0", non_blocking=True
-        ),
-        "triton_launch_8_blocks": lambda: peer_copy.copy(
-            link.table, on_device[:8], on_device[128:136], link.anchor, **sink.launch
-        ),
-        "event_record": lambda: torch.cuda.Event().record(),
-        "device_and_stream_ctx": lambda: _enter_exit(torch, link),
+        "write_ids_128_blocks": lambda: peer_copy.write_ids(buffer, src, dst),
+        "ring_launch_graph": lambda: link.ring.launch([], []),
+        "ring_launch_steps": lambda: steps_link.ring.launch([], []),
+        "current_device": lambda: torch.cuda.current_device(),
     }
     costs = {}
     with torch.cuda.device(0):
@@ -285,11 +287,6 @@ def host_costs(torch, np, peer_copy, sink, link, count: int = 200) -> dict[str, 
             costs[name] = (time.perf_counter() - started) / count * 1e6
             torch.cuda.synchronize()
     return costs
-
-
-def _enter_exit(torch, link) -> None:
-    with torch.cuda.device(link.device), torch.cuda.stream(link.stream):
-        pass
 
 
 def phases(traces: list[dict[str, float]]) -> dict[str, float]:
@@ -316,17 +313,20 @@ def peer_copy_baseline(torch, nbytes: int, repeats: int) -> dict:
     return summary(seconds, nbytes) | {"verified": verified}
 
 
-def kernel_only(torch, gpu_copy, peer_copy, link, launch: dict, blocks: int, args) -> dict:
+def kernel_only(torch, peer_copy, link, launch, blocks: int, args) -> dict:
     """The link's copy kernel alone on random blocks, timed by CUDA events (GPU time)."""
     rng = random.Random(1)
     seconds = []
+    ids = torch.zeros(2 + 2 * blocks, dtype=torch.int64)
+    programs = peer_copy.programs_for(link.device, launch)
     with torch.cuda.device(0):
         for attempt in range(args.repeats + 1):
-            src = gpu_copy.upload_block_ids(rng.sample(range(args.blocks), blocks), torch.device("cuda:0"))
-            dst = gpu_copy.upload_block_ids(rng.sample(range(args.blocks), blocks), torch.device("cuda:0"))
+            picks = rng.sample(range(args.blocks), blocks), rng.sample(range(args.blocks), blocks)
+            peer_copy.write_ids(peer_copy.id_buffer(ids), *picks)
+            on_device = ids.to("cuda:0")
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            peer_copy.copy(link.table, src, dst, link.anchor, **launch)
+            peer_copy.launch_kernel(link.table, on_device, link.ring.anchor, launch, programs)
             end.record()
             end.synchronize()
             if attempt:
@@ -386,8 +386,11 @@ def print_table(results: dict) -> None:
             print(f"cuda_ipc {r['nbytes'] >> 20} MiB, median ms from start_pull: {steps}")
     for r in measure.get("sweep", []):
         print(
-            f"sweep 256 MiB kernel: block_elems {r['block_elems']:>5} warps {r['num_warps']:>2}: {r['median_ms']:.3f} ms {r['gbps']:.0f} GB/s"
+            f"sweep 256 MiB kernel: block_elems {r['block_elems']:>5} warps {r['num_warps']:>2} "
+            f"programs/SM {r['programs_per_sm']} streaming {r['streaming']:d}: {r['median_ms']:.3f} ms "
+            f"{r['gbps']:.0f} GB/s"
         )
+    print("ring:", json.dumps(measure.get("ring")))
     for name, us in measure.get("host_us", {}).items():
         print(f"host cost {name}: {us:.1f} us")
     if "error" in measure:

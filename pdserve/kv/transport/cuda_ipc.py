@@ -11,7 +11,7 @@ answers with the export (msgpack: handles as bytes, each region's place and geom
 field by field before anything is mapped) and a per-link control connection (control.py: one TCP
 socket, a key proved in the first frame). Per pull (ipc_link: pulls are pipelined on a link):
 
-    sink: queues the copy on its stream (one launch) and sends a PullHeader (request, blocks, release)
+    sink: queues the copy (one CUDA graph launch) and sends a PullHeader (request, blocks, release)
     source: opens the read (open_read: the blocks must be pinned) and answers {"error": None}
             or why it refuses, in header order
     sink: reads the answer (while the copy runs), waits for the copy, ends the pull (DONE, or
@@ -226,7 +226,8 @@ class CudaIpcSink(NcclSink):
     """Pulls from CudaIpcSources through links where CUDA IPC works, over NCCL pairs otherwise
     (`nccl_fallback`; False: such pulls fail and `handshake` raises the reason). Takes
     NcclSink's arguments plus `ipc` (the CUDA calls; tests pass a fake) and the copy launch's
-    `block_elems` and `num_warps` (peer_copy)."""
+    settings (peer_copy.LaunchSettings: `block_elems`, `num_warps`, `programs_per_sm`, and
+    `graphs`, False only to compare with launching step by step)."""
 
     def __init__(
         self,
@@ -237,12 +238,14 @@ class CudaIpcSink(NcclSink):
         ipc: CudaIpc | None = None,
         block_elems: int = peer_copy.DEFAULT_BLOCK_ELEMS,
         num_warps: int = peer_copy.DEFAULT_NUM_WARPS,
+        programs_per_sm: int = peer_copy.DEFAULT_PROGRAMS_PER_SM,
+        graphs: bool = True,
         **options,
     ):
         self.nccl_fallback = nccl_fallback
         self.ipc = ipc or CudaIpc()
         self.host_id = ipc_memory.host_id()
-        self.launch = {"block_elems": block_elems, "num_warps": num_warps}
+        self.launch = peer_copy.LaunchSettings(block_elems, num_warps, programs_per_sm, graphs)
         # Each link pull's phase times (ipc_link), kept when tracing (`trace`, for benchmarks).
         self.link_traces: deque[dict[str, float]] | None = (
             deque(maxlen=4096) if options.get("trace") else None
@@ -273,6 +276,17 @@ class CudaIpcSink(NcclSink):
             link.close()
         super().close()
 
+    def _check_block_ids(self, src: list[int], dst: list[int]) -> str | None:
+        """BlockSink's checks, passed with builtins over the lists when the ids are fine: this
+        runs before every pull's launch. Any doubt goes to BlockSink's version for the message."""
+        if (
+            len(src) == len(dst)
+            and (not dst or (min(dst) >= 0 and max(dst) < self.num_blocks and min(src) >= 0))
+            and len(set(dst)) == len(dst)
+        ):
+            return None
+        return super()._check_block_ids(src, dst)
+
     def _submit(self, transfer: KVTransfer, src: list[int], dst: list[int], release: bool) -> None:
         """With a link to the source, queues the copy and the header on the caller's thread (no
         thread hand-off before the copy starts); otherwise the pull thread sets the link up."""
@@ -288,12 +302,13 @@ class CudaIpcSink(NcclSink):
                 transfer.add_bytes(nbytes)
             transfer.finish(error)
 
-        transfer.set_transferring()
         try:
             link.start(transfer.request_id, src, dst, release, on_end)
         except LinkClosedError:
             self._forget_link(transfer.remote_address, link)
             super()._submit(transfer, src, dst, release)
+            return
+        transfer.set_transferring()  # after the launch: the copy need not wait for it
 
     def _pull(
         self, session: SourceSession, transfer: KVTransfer, src: list[int], dst: list[int], release: bool
@@ -384,17 +399,21 @@ class CudaIpcSink(NcclSink):
             conn = control.connect(
                 host, settings["control_port"], settings["control_key"], settings["timeout_s"]
             )
-            return Link(
-                session.info.address,
-                conn,
-                table,
-                min(r.num_blocks for r in export.regions),
-                settings["timeout_s"],
-                self.device,
-                lambda: self._close_all(mapped),
-                self.launch,
-                self.link_traces,
-            )
+            try:
+                return Link(
+                    session.info.address,
+                    conn,
+                    table,
+                    min(r.num_blocks for r in export.regions),
+                    settings["timeout_s"],
+                    self.device,
+                    lambda: self._close_all(mapped),
+                    self.launch,
+                    self.link_traces,
+                )
+            except BaseException:
+                conn.close()
+                raise
         except BaseException:
             self._close_all(mapped)
             raise

@@ -13,8 +13,10 @@ work, `local_identity` and `check_same_host` give the reason in words: another n
 differ), a source GPU not visible in this process, or a driver refusal (its error string).
 
 CUDA calls go through the runtime library that torch already loaded (cudart) and, for the
-allocation's base and size, the driver (libcuda). Allocations made through CUDA's virtual memory
-API (torch's `expandable_segments`) have no legacy IPC handle; export fails naming that.
+allocation's base and size, the driver (libcuda). `StreamCalls` holds the three runtime calls
+of a pull's launch (peer_copy.LaunchRing), made without releasing the GIL. Allocations made
+through CUDA's virtual memory API (torch's `expandable_segments`) have no legacy IPC handle;
+export fails naming that.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pdserve.kv.transport.errors import KVTransportError
 __all__ = [
     "HANDLE_BYTES",
     "CudaIpc",
+    "StreamCalls",
     "Export",
     "IpcUnavailableError",
     "RegionExport",
@@ -219,10 +222,10 @@ def _libcuda() -> ctypes.CDLL:
     return lib
 
 
-def _check(result: int, what: str) -> None:
+def _check(result: int, what: str, error: type[KVTransportError] = IpcUnavailableError) -> None:
     if result != 0:
         message = _cudart().cudaGetErrorString(result).decode(errors="replace")
-        raise IpcUnavailableError(f"CUDA IPC: {what} failed: {message} (error {result})")
+        raise error(f"CUDA IPC: {what} failed: {message} (error {result})")
 
 
 def _set_device(index: int) -> None:
@@ -271,6 +274,38 @@ def close_handle(pointer: int, device_index: int) -> None:
     """Unmaps what `open_handle` mapped."""
     _set_device(device_index)
     _check(_cudart().cudaIpcCloseMemHandle(ctypes.c_void_p(pointer)), "cudaIpcCloseMemHandle")
+
+
+class StreamCalls:
+    """The runtime calls of a pull's launch (peer_copy.LaunchRing), through ctypes.PyDLL: each
+    only queues work, so the GIL stays held; a CDLL call would release it, and the launching
+    thread could then wait for another Python thread's time slice (up to 5 ms) to get it back.
+    Raise KVTransportError naming CUDA's error."""
+
+    _TO_DEVICE = 1  # cudaMemcpyHostToDevice
+    _EXTERNAL = 1  # cudaEventRecordExternal: a graph captures the record as a node
+
+    def __init__(self) -> None:
+        lib = ctypes.PyDLL(_cudart()._name)
+        void = ctypes.c_void_p
+        lib.cudaMemcpyAsync.argtypes = [void, void, ctypes.c_size_t, ctypes.c_int, void]
+        lib.cudaGraphLaunch.argtypes = [void, void]
+        lib.cudaEventRecordWithFlags.argtypes = [void, void, ctypes.c_uint]
+        self._lib = lib
+
+    def copy_to_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queues a copy of `nbytes` from pinned host memory at `src` to the GPU at `dst`."""
+        result = self._lib.cudaMemcpyAsync(dst, src, nbytes, self._TO_DEVICE, stream)
+        _check(result, "cudaMemcpyAsync", KVTransportError)
+
+    def launch_graph(self, graph_exec: int, stream: int) -> None:
+        """Queues an instantiated graph (cudaGraphExec_t) on `stream`."""
+        _check(self._lib.cudaGraphLaunch(graph_exec, stream), "cudaGraphLaunch", KVTransportError)
+
+    def record_external(self, event: int, stream: int) -> None:
+        """Records `event` on `stream`; inside a capture, as a node of the graph."""
+        result = self._lib.cudaEventRecordWithFlags(event, stream, self._EXTERNAL)
+        _check(result, "cudaEventRecordWithFlags", KVTransportError)
 
 
 class CudaIpc:

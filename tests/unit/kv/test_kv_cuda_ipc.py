@@ -308,3 +308,41 @@ def test_the_deployments_cuda_ipc_setting_builds_ipc_endpoints_that_keep_the_ncc
     transports.make_source(None, [], engine_id="e", on_release=lambda *a: None, tp_rank=0)
     transports.make_sink("cuda_ipc", None, [], engine_id="e")
     assert built == [("source", 3), ("sink", "auto")]
+
+
+def test_the_copy_kernel_moves_exactly_the_named_blocks_whatever_its_chunking(monkeypatch):
+    """The GPU kernel's own arithmetic, run by Triton's interpreter on CPU tensors: every run of
+    every named block lands in its destination block, and no other block is written."""
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    from pdserve.kv.transport import gpu_copy, peer_copy
+
+    monkeypatch.setattr(peer_copy, "_peer_kernel", interpreter.InterpretedFunction(peer_copy._peer_kernel.fn))
+    src, dst = gpu_like_regions(16, seed=1, layers=2), gpu_like_regions(12, seed=2, layers=2)
+    table = peer_copy.PeerTable.pair([gpu_copy.describe(r) for r in src], [gpu_copy.describe(r) for r in dst])
+    table = table.uploaded(torch.device("cpu"))
+    ids = torch.zeros(2 + 2 * 8, dtype=torch.int64)
+    assert peer_copy.write_ids(peer_copy.id_buffer(ids), [15, 0, 7], [2, 11, 5]) == 2 + 2 * 3
+    assert ids[:8].tolist() == [3, 0, 15, 0, 7, 2, 11, 5]
+    anchor = torch.empty(4, dtype=torch.int32)
+    before = [region.tensor.clone() for region in dst]
+    # 64 int32: a run (256 int32) in 4 chunks; 4096: one masked chunk per run. 3 programs loop.
+    for block_elems in (64, 4096):
+        launch = peer_copy.LaunchSettings(block_elems=block_elems)
+        peer_copy.launch_kernel(table, ids, anchor, launch, programs=3)
+        for s, d, old in zip(src, dst, before):
+            assert torch.equal(d.tensor[:, [2, 11, 5]], s.tensor[:, [15, 0, 7]])
+            untouched = [b for b in range(12) if b not in (2, 11, 5)]
+            assert torch.equal(d.tensor[:, untouched], old[:, untouched])
+            d.tensor.copy_(old)
+
+
+def test_the_sinks_quick_block_id_check_agrees_with_every_sinks_check(ends):
+    from pdserve.kv.transport.base import BlockSink
+
+    _, sink, _ = ends()
+    cases = [
+        ([1, 2], [3, 4]), ([], []), ([1], [3, 4]), ([1, 2], [3, 3]), ([1, 2], [3, 12]),
+        ([1, 2], [-1, 4]), ([-1, 2], [3, 4]), ([99, 2], [3, 4]),
+    ]  # fmt: skip
+    for src, dst in cases:
+        assert sink._check_block_ids(src, dst) == BlockSink._check_block_ids(sink, src, dst), (src, dst)
