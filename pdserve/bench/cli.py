@@ -409,16 +409,8 @@ def _tune_settings(args: argparse.Namespace) -> dict[str, Any]:
              "search_tolerance", "search_max_probes", "num_cpus_per_engine", "gpus_per_engine")
     settings = {name: getattr(args, name) for name in names}
     settings["goodput"] = SloTargets.parse(args.goodput).as_dict()
-    settings["serve_args"] = _passthrough_serve_args(args)
+    settings["serve_args"] = cli_args.passthrough_serve_args(args)
     return json_safe(settings)  # as save_json writes it, so a resumed record compares equal
-
-
-def _passthrough_serve_args(args: argparse.Namespace) -> list[str]:
-    extra = [flag for chunk in args.serve_args for flag in chunk]
-    if args.num_cpus_per_engine is not None:
-        for pool in ("colocated", "prefill", "decode"):
-            extra += ["--set", f"pools.{pool}.num_cpus={args.num_cpus_per_engine:g}"]
-    return extra
 
 
 async def _tune(args: argparse.Namespace) -> int:
@@ -491,7 +483,9 @@ async def _evaluate_candidate(
     """Start the candidate's service, search its goodput, stop it; a failure becomes a FAILED trial."""
     num_gpus = settings.num_gpus(candidate)
     serve_args = [*candidate.deployment.serve_args(), *candidate.knobs.serve_args(),
-                  *_passthrough_serve_args(args)]
+                  *cli_args.passthrough_serve_args(args)]
+    if candidate.deployment.adaptive:
+        serve_args += cli_args.slo_serve_args(args, serve_args)
     log = Path(args.result_dir or ".") / "logs" / f"{candidate.slug}.log"
     began = time.monotonic()
     print(f"[{candidate.key}] starting pdserve serve {' '.join(serve_args)}", flush=True)

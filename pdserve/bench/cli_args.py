@@ -459,3 +459,19 @@ def _validate_targets(args: argparse.Namespace, parser: argparse.ArgumentParser)
         parser.error(f"--target: {exc}")
     if len(set(names)) != len(names):
         parser.error("--target names must be unique")
+
+
+def slo_serve_args(args: argparse.Namespace, serve_args: list[str]) -> list[str]:
+    """An adaptive deployment routes against the SLO: the goodput targets, unless --serve-args
+    gave the service its own."""
+    targets = {key: ms for key, _, ms in (t.partition(":") for t in args.goodput)}
+    return [arg for key, flag in (("ttft", "--ttft-ms"), ("tpot", "--tpot-ms"))
+            if flag not in serve_args and key in targets for arg in (flag, targets[key])]
+
+
+def passthrough_serve_args(args: argparse.Namespace) -> list[str]:
+    extra = [flag for chunk in args.serve_args for flag in chunk]
+    if args.num_cpus_per_engine is not None:
+        for pool in ("colocated", "prefill", "decode"):
+            extra += ["--set", f"pools.{pool}.num_cpus={args.num_cpus_per_engine:g}"]
+    return extra

@@ -37,12 +37,15 @@ class DeploymentMode(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class Deployment:
-    """How engines are pooled: `replicas` colocated engines, or `prefill` + `decode` engines."""
+    """How engines are pooled: `replicas` colocated engines, or `prefill` + `decode` engines;
+    `adaptive`: the decode engines also prefill while the prefill pool is behind
+    (`pdserve serve --adaptive`, which routes against the SLO targets)."""
 
     mode: DeploymentMode
     replicas: int = 0
     prefill: int = 0
     decode: int = 0
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.mode is DeploymentMode.COLOCATED and (self.replicas < 1 or self.prefill or self.decode):
@@ -51,21 +54,24 @@ class Deployment:
             self.prefill < 1 or self.decode < 1 or self.replicas
         ):
             raise ValueError("a disaggregated deployment needs prefill >= 1 and decode >= 1")
+        if self.adaptive and self.mode is not DeploymentMode.DISAGGREGATED:
+            raise ValueError("only a disaggregated deployment can be adaptive")
 
     @classmethod
     def colocated(cls, replicas: int) -> Deployment:
         return cls(DeploymentMode.COLOCATED, replicas=replicas)
 
     @classmethod
-    def disaggregated(cls, prefill: int, decode: int) -> Deployment:
-        return cls(DeploymentMode.DISAGGREGATED, prefill=prefill, decode=decode)
+    def disaggregated(cls, prefill: int, decode: int, adaptive: bool = False) -> Deployment:
+        return cls(DeploymentMode.DISAGGREGATED, prefill=prefill, decode=decode, adaptive=adaptive)
 
     @classmethod
     def parse(cls, spec: str, default_engines: int | None = None) -> Deployment:
-        """"3P1D" (3 prefill, 1 decode), "colocated:4", or "colocated" (= colocated:default_engines)."""
+        """"3P1D" (3 prefill, 1 decode), "1P1D-adaptive", "colocated:4", or "colocated"
+        (= colocated:default_engines)."""
         text = spec.strip()
-        if match := re.fullmatch(r"(\d+)[pP](\d+)[dD]", text):
-            return cls.disaggregated(int(match[1]), int(match[2]))
+        if match := re.fullmatch(r"(\d+)[pP](\d+)[dD](-adaptive)?", text):
+            return cls.disaggregated(int(match[1]), int(match[2]), bool(match[3]))
         name, _, count = text.partition(":")
         if name.lower() == "colocated":
             if count:
@@ -75,7 +81,8 @@ class Deployment:
             if default_engines is None:
                 raise ValueError(f"deployment {spec!r} needs :N or a total engine count")
             return cls.colocated(default_engines)
-        raise ValueError(f"invalid deployment {spec!r}: use xPyD (e.g. 3P1D) or colocated[:N]")
+        raise ValueError(f"invalid deployment {spec!r}: use xPyD (e.g. 3P1D), xPyD-adaptive or "
+                         "colocated[:N]")
 
     @property
     def num_engines(self) -> int:
@@ -85,21 +92,25 @@ class Deployment:
     def name(self) -> str:
         if self.mode is DeploymentMode.COLOCATED:
             return f"colocated:{self.replicas}"
-        return f"{self.prefill}P{self.decode}D"
+        return f"{self.prefill}P{self.decode}D" + ("-adaptive" if self.adaptive else "")
 
     def serve_args(self) -> list[str]:
         """`pdserve serve` flags that build this deployment."""
         if self.mode is DeploymentMode.COLOCATED:
             return ["--mode", "colocated", "--replicas", str(self.replicas)]
-        return ["--mode", "disaggregated", "--prefill", str(self.prefill), "--decode", str(self.decode)]
+        return ["--mode", "disaggregated", "--prefill", str(self.prefill), "--decode", str(self.decode),
+                *(["--adaptive"] if self.adaptive else [])]
 
 
 def deployments_for_budget(num_engines: int) -> list[Deployment]:
-    """Colocated xN, then every xPyD with x + y = N, most prefill engines first."""
+    """Colocated xN, then every xPyD with x + y = N, most prefill engines first, then each split
+    adaptive (its decode engines also prefill while its prefill pool is behind)."""
     if num_engines < 1:
         raise ValueError(f"the engine budget must be >= 1, got {num_engines}")
-    split = [Deployment.disaggregated(p, num_engines - p) for p in range(num_engines - 1, 0, -1)]
-    return [Deployment.colocated(num_engines), *split]
+    splits = [(p, num_engines - p) for p in range(num_engines - 1, 0, -1)]
+    return [Deployment.colocated(num_engines),
+            *(Deployment.disaggregated(p, d) for p, d in splits),
+            *(Deployment.disaggregated(p, d, adaptive=True) for p, d in splits)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +350,7 @@ def trial_to_dict(trial: Trial) -> dict[str, Any]:
         "replicas": deployment.replicas,
         "prefill": deployment.prefill,
         "decode": deployment.decode,
+        "adaptive": deployment.adaptive,
         "max_num_seqs": knobs.max_num_seqs,
         "max_num_batched_tokens": knobs.max_num_batched_tokens,
         "status": trial.status.value,
@@ -362,6 +374,7 @@ def trial_from_dict(data: Mapping[str, Any]) -> Trial:
         replicas=data["replicas"],
         prefill=data["prefill"],
         decode=data["decode"],
+        adaptive=data.get("adaptive", False),  # records before adaptive deployments: False
     )
     knobs = EngineKnobs(data["max_num_seqs"], data["max_num_batched_tokens"])
     return Trial(

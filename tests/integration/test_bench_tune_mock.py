@@ -50,7 +50,8 @@ def test_tune_starts_searches_and_stops_each_candidate(tiny_model_dir, tmp_path,
 
     record = json.loads((out / "tune.json").read_text())
     trials = {t["key"]: t for t in record["trials"]}
-    assert list(trials) == ["colocated:2/seqs=8,tokens=default", "1P1D/seqs=8,tokens=default"]
+    assert list(trials) == ["colocated:2/seqs=8,tokens=default", "1P1D/seqs=8,tokens=default",
+                            "1P1D-adaptive/seqs=8,tokens=default"]
     for trial in trials.values():
         assert trial["status"] == "ok", trial["error"]
         assert [p["request_rate"] for p in trial["probes"]] == [1.0, 2.0]
@@ -60,12 +61,16 @@ def test_tune_starts_searches_and_stops_each_candidate(tiny_model_dir, tmp_path,
     # Each service got the deployment and knobs, and logged its start.
     logs = sorted((out / "logs").iterdir())
     assert [log.name for log in logs] == [
-        "1P1D-seqs-8-tokens-default.log", "colocated-2-seqs-8-tokens-default.log"
+        "1P1D-adaptive-seqs-8-tokens-default.log", "1P1D-seqs-8-tokens-default.log",
+        "colocated-2-seqs-8-tokens-default.log"
     ]
-    assert "--prefill 1 --decode 1 --max-num-seqs 8 --engine mock" in logs[0].read_text()
+    # The adaptive deployment routes against the goodput targets.
+    assert ("--prefill 1 --decode 1 --adaptive --max-num-seqs 8 --engine mock" in logs[0].read_text()
+            and "--ttft-ms 30000 --tpot-ms 30000" in logs[0].read_text())
+    assert "--prefill 1 --decode 1 --max-num-seqs 8 --engine mock" in logs[1].read_text()
     # Nothing of either service survives: not the server, not Ray, not the engine actors (which Ray
     # puts in process groups of their own).
-    assert len(started) == 2
+    assert len(started) == 3
     for service in started:
         assert service.process.poll() is not None
         assert len(service.descendants) >= 3  # Ray's GCS and raylet plus engine actors, at least

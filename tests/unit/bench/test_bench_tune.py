@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -13,6 +14,7 @@ from pdserve.bench import cli
 from pdserve.bench.tune import (
     Candidate,
     Deployment,
+    DeploymentMode,
     EngineKnobs,
     Probe,
     Trial,
@@ -52,7 +54,8 @@ class FakeEvaluator:
 
 
 def test_budget_gives_colocated_and_every_split() -> None:
-    assert [d.name for d in deployments_for_budget(4)] == ["colocated:4", "3P1D", "2P2D", "1P3D"]
+    assert [d.name for d in deployments_for_budget(4)] == [
+        "colocated:4", "3P1D", "2P2D", "1P3D", "3P1D-adaptive", "2P2D-adaptive", "1P3D-adaptive"]
     assert [d.name for d in deployments_for_budget(1)] == ["colocated:1"]
     assert all(d.num_engines == 4 for d in deployments_for_budget(4))
     with pytest.raises(ValueError):
@@ -240,17 +243,21 @@ def test_tune_cli_ranks_candidates_and_writes_json_csv_and_plot(
     fake_launcher, word_tokenizer_dir, tmp_path, capsys
 ) -> None:
     assert cli.main(_tune_argv(tmp_path, word_tokenizer_dir)) == 0
-    # colocated:2 and 1P1D with max_num_seqs 4: two services, each stopped.
-    assert len(fake_launcher) == 2 and all(service.stopped for _, service in fake_launcher)
+    # colocated:2, 1P1D and 1P1D-adaptive with max_num_seqs 4: three services, each stopped; the
+    # adaptive one routes against the goodput targets.
+    assert len(fake_launcher) == 3 and all(service.stopped for _, service in fake_launcher)
+    assert fake_launcher[2][0][:9] == ["--mode", "disaggregated", "--prefill", "1", "--decode", "1",
+                                       "--adaptive", "--max-num-seqs", "4"]
+    assert fake_launcher[2][0][-4:] == ["--ttft-ms", "2000", "--tpot-ms", "1000"]
     first_args = fake_launcher[0][0]
     assert first_args[:6] == ["--mode", "colocated", "--replicas", "2", "--max-num-seqs", "4"]
     assert "--engine" in first_args and "pools.decode.num_cpus=0.5" in first_args
     record = json.loads((tmp_path / "tune.json").read_text())
-    assert [t["status"] for t in record["trials"]] == ["ok"] * 2
+    assert [t["status"] for t in record["trials"]] == ["ok"] * 3
     # The fake server meets the SLO at every rate: the search stops at --search-max-rate.
     assert all(t["max_goodput_rate"] == 50.0 and t["goodput_per_gpu"] == 25.0 for t in record["trials"])
     assert record["best"] == "colocated:2/seqs=4,tokens=default"  # a tie keeps plan order
-    assert len((tmp_path / "tune.csv").read_text().splitlines()) == 3
+    assert len((tmp_path / "tune.csv").read_text().splitlines()) == 4
     probe = record["trials"][0]["probes"][0]
     assert probe == {"request_rate": 50.0, "slo_attainment": 1.0, "by_target": {"ttft": 1.0, "tpot": 1.0}}
     assert (tmp_path / "tune.png").stat().st_size > 0
@@ -260,10 +267,11 @@ def test_tune_cli_ranks_candidates_and_writes_json_csv_and_plot(
     # Resuming the finished run measures nothing again; a narrower plan keeps the other trials on record.
     assert cli.main([*_tune_argv(tmp_path, word_tokenizer_dir), "--resume"]) == 0
     assert cli.main([*_tune_argv(tmp_path, word_tokenizer_dir), "--resume", "--deployments", "1P1D"]) == 0
-    assert len(fake_launcher) == 2
+    assert len(fake_launcher) == 3
     kept = json.loads((tmp_path / "tune.json").read_text())["trials"]
     assert sorted(t["key"] for t in kept) == [
-        "1P1D/seqs=4,tokens=default", "colocated:2/seqs=4,tokens=default"
+        "1P1D-adaptive/seqs=4,tokens=default", "1P1D/seqs=4,tokens=default",
+        "colocated:2/seqs=4,tokens=default"
     ]
 
 
@@ -320,3 +328,19 @@ def test_saved_runs_plot_as_attainment_panels_and_a_ranking(tmp_path) -> None:
                                    tmp_path / "tune.png")
     assert Image.open(panels).size[0] > 2 * Image.open(panels).size[1]  # three panels side by side
     assert Image.open(ranking).size[1] > 0
+
+
+def test_adaptive_deployments_are_searched_and_served_against_the_slo() -> None:
+    from pdserve.bench.cli_args import slo_serve_args
+
+    names = [d.name for d in deployments_for_budget(2)]
+    assert names == ["colocated:2", "1P1D", "1P1D-adaptive"]
+    adaptive = Deployment.parse("1p1d-adaptive")
+    assert adaptive.adaptive and adaptive.serve_args() == [
+        "--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--adaptive"]
+    with pytest.raises(ValueError, match="adaptive"):
+        Deployment(DeploymentMode.COLOCATED, replicas=2, adaptive=True)
+    # The service routes against the goodput targets, unless its own flags set them.
+    args = argparse.Namespace(goodput=["ttft:500", "tpot:20"])
+    assert slo_serve_args(args, []) == ["--ttft-ms", "500", "--tpot-ms", "20"]
+    assert slo_serve_args(args, ["--tpot-ms", "15"]) == ["--ttft-ms", "500"]
