@@ -325,6 +325,7 @@ class BrokenGpu(BusyGpu):
 
 
 def test_a_failing_window_is_dropped_and_the_step_still_reports(transports: FakeTransports) -> None:
+    transports.fabric.delay_s = 0.3  # the pull is still running when the step asks the window
     p = Engine("kv_producer", transports, seed=1)
     d = Engine("kv_consumer", transports, seed=2, window=BrokenGpu())
     _, params = prefill(p, 300)
