@@ -17,6 +17,9 @@ Package map (each module's docstring gives its lifecycle):
 - `arms` / `arm_summary`: the GPU proof's serving arms by name (xPyD, colocated-N, vllm-N), the commands
   that serve them, their /metrics counters; the per-GPU goodput table over their records
   (`benchmarks/gpu/proof.py` drives them). `rr_proxy`: the round-robin proxy of a plain-vLLM arm.
+- `grid` / `grid_summary`: issue 31's grid (workloads, the rate lattice and its bisection, the slices
+  of `benchmarks/gpu/grid.sh`); its cells over runs of several sessions (goodput per GPU with its
+  spread, the best pdserve arm, the TTFT overhead over plain vLLM request by request), and the merge.
 - `ttft_breakdown`: where a served request's TTFT goes, from the engines' step traces and the client's times.
 
 Importing the package imports nothing heavy; the modules pull numpy, aiohttp, matplotlib and tqdm (the

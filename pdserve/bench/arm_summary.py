@@ -1,10 +1,15 @@
-"""The GPU proof's goodput table over a folder of arm records, and one arm's records merged.
+"""The GPU proof's goodput tables over a folder of arm records, and one arm's records merged.
 
-`summarize` reads every ARM.json (`benchmarks/gpu/proof.py run`) in a folder: per TPOT target, an
-arm's goodput is the highest tested total rate at which >= 90% of requests had TTFT <= 500 ms and
-TPOT <= the target, divided by its GPUs; '>=' where the arm's highest measured rate still passed (a
-lower bound); each disaggregated arm is compared with each baseline. `merge` joins one arm's records
-from several starts (its rates split over device calls) into one.
+`summarize` reads every arm record (`benchmarks/gpu/proof.py run`) in a folder. Every record's runs
+go into pdserve.bench.grid_summary's cells (goodput per GPU per workload and target, with the spread
+over runs, the best pdserve arm, the TTFT overhead over plain vLLM), printed and written to
+summary.json with attainment.png. Issue 9's records (one workload, ISL 2048, TTFT <= 500 ms) also get
+their table of old: per TPOT target, an arm's goodput is the highest tested total rate at which
+>= 90% of requests had TTFT <= 500 ms and TPOT <= the target, divided by its GPUs; '>=' where the
+arm's highest measured rate still passed (a lower bound); each disaggregated arm is compared with
+each baseline (summary.json's `goodput_per_gpu`, `lower_bound`, `table_markdown`, `arms`, and
+goodput.png, as before). `merge` joins one arm's issue-9 records from several starts (its rates
+split over device calls) into one.
 """
 
 from __future__ import annotations
@@ -14,9 +19,12 @@ import json
 import statistics
 from pathlib import Path
 
+from pdserve.bench import grid_summary
 from pdserve.bench.arms import (
-    ATTAINMENT, ISL, LEGACY_NAMES, OSL, POOLS, TPOT_TARGETS_MS, TTFT_MS, arm_spec, first_output_ms,
+    ATTAINMENT, ISL, LEGACY_NAMES, LEGACY_TPOT_TARGETS_MS, OSL, POOLS, TTFT_MS, arm_spec, first_output_ms,
 )
+
+TPOT_TARGETS_MS = LEGACY_TPOT_TARGETS_MS  # the targets issue 9's records scored
 
 
 def goodput(record: dict, tpot_ms: float) -> float:
@@ -33,9 +41,41 @@ def unbounded(record: dict, tpot_ms: float) -> bool:
 
 
 def summarize(results: Path, plots: bool = True) -> int:
-    """The goodput table of the arm records in `results`: printed, and written to summary.json
-    with each arm's rates (goodput.png too, with `plots`)."""
+    """The tables of the arm records in `results`: printed, and written to summary.json (with
+    attainment.png, and goodput.png for issue 9's records, with `plots`)."""
+    summary: dict = {}
     arms = load_arms(results)
+    if arms:
+        summary.update(_legacy_summary(arms))
+    runs = grid_summary.load_runs(results)
+    if not runs:
+        print(f"no arm record with a measured rate in {results}")
+        return 1
+    summary.update(grid_summary.grid_summary(runs))
+    print(("MOCK ENGINES (a CPU test of the scripts, not a measurement)\n" if summary["mock"] else "")
+          + "Per-GPU goodput (req/s per GPU: the highest probed rate at which >= 90% of requests met the "
+          "TTFT and TPOT targets, below every failing rate, over the arm's GPUs)\n\n"
+          + summary["cells_markdown"])
+    overhead = summary["ttft_overhead_ms_p50"]
+    if overhead is not None:
+        pairs = ", ".join(f"{o['workload']} {o['pdserve']} - {o['vllm']}: {o['ms_p50']:+.1f} ms over "
+                          f"{len(o['per_rate'])} rates" for o in summary["ttft_overhead"])
+        print(f"\nTTFT overhead, pdserve colocated minus vLLM request by request (median of per-rate "
+              f"medians): {overhead:+.1f} ms ({pairs})")
+    (results / "summary.json").write_text(json.dumps(summary, indent=1))
+    if plots:
+        from pdserve.bench.plots import plot_attainment_grid  # matplotlib, only when plotting
+
+        plot_attainment_grid(grid_summary.attainment_panels(runs), results / "attainment.png",
+                             title="Attainment (TTFT and TPOT) against rate per GPU",
+                             arms=sorted({run.arm for run in runs}, key=grid_summary.arm_order))
+        if arms:
+            plot(arms, results)
+    return 0
+
+
+def _legacy_summary(arms: dict[str, dict]) -> dict:
+    """Issue 9's table over its records (one workload), printed; summary.json's keys of old."""
     table = {
         name: {f"{x:g}": goodput(record, x) / record["num_gpus"] for x in TPOT_TARGETS_MS}
         for name, record in arms.items()
@@ -54,10 +94,9 @@ def summarize(results: Path, plots: bool = True) -> int:
         cells = [(">= " if bounds[a][key] else "") + f"{table[a][key]:g}" for a in arms]
         cells += [_ratio(table, bounds, d, b, key) for d, b in pairs]
         lines.append(f"| <= {key} ms | " + " | ".join(cells) + " |")
-    text = ("Per-GPU goodput (req/s per GPU; TTFT <= 500 ms and TPOT <= target for >= 90% of requests;"
-            " '>=': the arm's highest measured rate still passed)\n")
-    text += "\n".join(lines)
-    print(text)
+    text = ("Issue 9's records: per-GPU goodput (req/s per GPU; TTFT <= 500 ms and TPOT <= target for >= 90% "
+            "of requests; '>=': the arm's highest measured rate still passed)\n")
+    print(text + "\n".join(lines) + "\n")
     summary = {"goodput_per_gpu": table, "lower_bound": bounds, "table_markdown": "\n".join(lines),
                "arms": {}}
     for name, record in arms.items():
@@ -70,21 +109,19 @@ def summarize(results: Path, plots: bool = True) -> int:
             "rates": [_rate_row(row) for row in record["rates"]],
             "pulls": _pull_stats(record.get("pull_log_ms", [])),
         }
-    (results / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps({a: s["rates"] for a, s in summary["arms"].items()}, indent=1))
-    if plots:
-        plot(arms, results)
-    return 0
+    return summary
 
 
 def load_arms(results: Path) -> dict[str, dict]:
-    """Every arm record (ARM.json written by `run`) in a results folder, in a stable order:
-    disaggregated arms by prefill share, then colocated, then vLLM."""
+    """Every issue-9 arm record (ARM.json with its rates at the top and no `sweeps`: newer records
+    of one workload mirror those keys) in a results folder, in a stable order: disaggregated arms
+    by prefill share, then colocated, then vLLM."""
     arms = {}
     for path in sorted(results.glob("*.json")):
         try:
             record = json.loads(path.read_text())
-            spec = arm_spec(record["arm"]) if isinstance(record, dict) and "rates" in record else None
+            issue9 = isinstance(record, dict) and "rates" in record and "sweeps" not in record
+            spec = arm_spec(record["arm"]) if issue9 else None
         except (ValueError, KeyError, argparse.ArgumentTypeError):
             spec = None
         if spec is not None and path.stem == record["arm"]:
@@ -92,7 +129,7 @@ def load_arms(results: Path) -> dict[str, dict]:
                 arms[record["arm"]] = record
             else:  # started but never measured (e.g. out of its time budget)
                 print(f"{record['arm']}: no rate measured ({path.name}); left out of the table")
-    order = {"disagg": 0, "colocated": 1, "vllm": 2}
+    order = {"disagg": 0, "adaptive": 1, "colocated": 2, "vllm": 3}
     return dict(sorted(arms.items(), key=lambda item: (
         order[arm_spec(item[0]).kind], -arm_spec(item[0]).prefill, arm_spec(item[0]).num_gpus)))
 
@@ -176,6 +213,9 @@ def merge(paths: list[Path], out: Path) -> int:
     A rate measured by more than one start keeps the first record's row (in the order given);
     the others go to `repeats`."""
     records = [json.loads(Path(p).read_text()) for p in paths]
+    if any("sweeps" in r for r in records):
+        raise SystemExit("records with sweeps (proof.py since issue 31) are one run each: join folders of "
+                         "them with `merge --out DIR`, which keeps every run")
     names = {r["arm"] for r in records}
     if len(names) != 1:
         raise SystemExit(f"records of different arms: {sorted(names)}")

@@ -1,13 +1,18 @@
 """The serving arms the GPU proof compares, by name, and what is read from them.
 
 An arm is a deployment on one host: `xPyD` (pdserve, x prefill + y decode engines, KV over NCCL;
-`xPyD-grpc` over gRPC), `colocated-N` (pdserve, N colocated engines) or `vllm-N` (N plain vLLM
-servers behind pdserve.bench.rr_proxy); issue 9's two-GPU names stay (`disagg` = 1P1D,
-`colocated` = colocated-2, `vllm` = vllm-2). Every arm serves with the same engine settings
-(`ENGINE`). This module names arms (`arm_spec`), builds the commands that serve them
-(`serve_command`, `vllm_command`, `proxy_command`), scores a rate's requests (`per_request`,
-`attainment`) and reads the engines' counters from /metrics text (`engine_counters`) and the decode
-engine's pull log (`pulls_from_log`). `benchmarks/gpu/proof.py` starts the processes and sends the
+`xPyD-grpc` over gRPC, `xPyD-ipc` by CUDA IPC copies between engines of one node; `-adaptive`
+after either: `pdserve serve --adaptive`, decode engines also prefill while the prefill pool is
+behind, routing against the SLO targets), `colocated-N` (pdserve, N colocated engines),
+`adaptive-N` (`pdserve serve --mode adaptive --replicas N`: a name kept for a mode of N engines
+that pdserve does not have yet; records and tables take it as soon as it serves) or `vllm-N` (N
+plain vLLM servers behind
+pdserve.bench.rr_proxy); issue 9's two-GPU names stay (`disagg` = 1P1D, `colocated` =
+colocated-2, `vllm` = vllm-2). Every arm serves with the same engine settings (`ENGINE`). This
+module names arms (`arm_spec`), builds the commands that serve them (`serve_command`,
+`vllm_command`, `proxy_command`), scores a rate's requests (`per_request`, `attainment`) and reads
+the engines' counters from /metrics text (`engine_counters`) and the decode engine's pull log
+(`pulls_from_log`). `benchmarks/gpu/proof.py` starts the processes and sends the
 load; pdserve.bench.arm_summary tables the records.
 """
 
@@ -20,16 +25,24 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+# Issue 9's workload (records without a workload of their own are this one: pdserve.bench.grid's
+# `isl2k`) and the TPOT targets its records scored.
 ISL, OSL = 2048, 256
 TTFT_MS = 500.0
-TPOT_TARGETS_MS = (8.0, 10.0, 20.0)
+LEGACY_TPOT_TARGETS_MS = (8.0, 10.0, 20.0)
+# Issue 31's TPOT targets, scored on every workload of the grid.
+TPOT_TARGETS_MS = (8.0, 10.0, 15.0, 20.0)
 ATTAINMENT = 0.90
-# One set of engine settings for every arm (recorded in each arm's JSON). 8192 batched tokens is
-# vLLM's own default for its OpenAI server on these GPUs; CUDA graphs and chunked prefill on.
+# One set of engine settings for every arm and every workload (recorded in each arm's JSON), so one
+# started arm serves every workload of pdserve.bench.grid. 8192 batched tokens is vLLM's own default
+# for its OpenAI server on these GPUs; CUDA graphs and chunked prefill on. max_model_len 34816 =
+# 32768 + 2048: the Mooncake-shaped workload's longest prompt and output uncut (the 16k workload
+# needs 16640); it costs no KV (vLLM sizes the cache by memory, not by this) and only a longer block
+# table per request. Issue 9's records (2026-11-26 .. 11-29) ran with 4096.
 ENGINE = {
     "load_format": "dummy",
     "dtype": "bfloat16 (from config.json)",
-    "max_model_len": 4096,
+    "max_model_len": 34816,
     "max_num_seqs": 256,
     "max_num_batched_tokens": 8192,
     "gpu_memory_utilization": 0.9,
@@ -53,7 +66,13 @@ LABELS = {
     "vllm": "2 x vLLM + round robin",
 }
 LEGACY_NAMES = {"disagg": "1P1D", "colocated": "colocated-2", "vllm": "vllm-2"}
-_ARM_NAME = re.compile(r"^(?:(\d+)P(\d+)D(?:-(grpc|nccl))?|(colocated|vllm)-(\d+))$")
+_ARM_NAME = re.compile(
+    r"^(?:(\d+)P(\d+)D(?:-(grpc|nccl|ipc|cuda_ipc))?(-adaptive)?|(colocated|vllm|adaptive)-(\d+))$")
+_TRANSPORTS = {None: "nccl", "nccl": "nccl", "grpc": "grpc", "ipc": "cuda_ipc", "cuda_ipc": "cuda_ipc"}
+_TRANSPORT_LABELS = {"nccl": "NCCL", "grpc": "gRPC", "cuda_ipc": "CUDA IPC"}
+_TRANSPORT_SUFFIXES = {"nccl": "", "grpc": "-grpc", "cuda_ipc": "-ipc"}
+# Arm kinds served by pdserve (the candidates for a table's best pdserve arm).
+PDSERVE_KINDS = ("disagg", "adaptive", "colocated")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,11 +80,12 @@ class ArmSpec:
     """What an arm name means: its kind and engine counts."""
 
     name: str
-    kind: str  # "disagg" | "colocated" | "vllm"
+    kind: str  # "disagg" | "adaptive" | "colocated" | "vllm"
     prefill: int = 0
     decode: int = 0
     engines: int = 0
-    transport: str = "nccl"  # disaggregated arms: how the KV moves (`2P2D-grpc`)
+    transport: str = "nccl"  # disaggregated arms: how the KV moves (`2P2D-grpc`, `1P1D-ipc`)
+    adaptive: bool = False  # disaggregated arms: decode engines also prefill (`1P1D-adaptive`)
 
     @property
     def num_gpus(self) -> int:
@@ -76,22 +96,38 @@ class ArmSpec:
         if self.name in LABELS:
             return LABELS[self.name]
         if self.kind == "disagg":
-            return f"pdserve {self.prefill}P{self.decode}D ({'NCCL' if self.transport == 'nccl' else 'gRPC'})"
-        if self.kind == "colocated":
-            return f"pdserve colocated x{self.engines}"
+            how = _TRANSPORT_LABELS[self.transport] + (", adaptive" if self.adaptive else "")
+            return f"pdserve {self.prefill}P{self.decode}D ({how})"
+        if self.kind in ("colocated", "adaptive"):
+            return f"pdserve {self.kind} x{self.engines}"
         return f"{self.engines} x vLLM + round robin"
+
+    @property
+    def pdserve(self) -> bool:
+        return self.kind in PDSERVE_KINDS
+
+    @property
+    def canonical(self) -> str:
+        """One name per deployment, for tables that join records of several sessions: issue 9's
+        names as their xPyD / colocated-N / vllm-N, `-nccl` dropped, `-cuda_ipc` as `-ipc`."""
+        if self.kind == "disagg":
+            suffix = _TRANSPORT_SUFFIXES[self.transport] + ("-adaptive" if self.adaptive else "")
+            return f"{self.prefill}P{self.decode}D{suffix}"
+        return f"{self.kind}-{self.engines}"
 
 
 def arm_spec(name: str) -> ArmSpec:
-    """Parses an arm name (`2P2D`, `colocated-4`, `vllm-4`, or issue 9's `disagg`/...)."""
+    """Parses an arm name (`2P2D`, `1P1D-ipc`, `colocated-4`, `vllm-4`, `adaptive-2`, or issue 9's
+    `disagg`/...)."""
     match = _ARM_NAME.match(LEGACY_NAMES.get(name, name))
     if match is None:
         raise argparse.ArgumentTypeError(
-            f"arm {name!r}: expected xPyD (or xPyD-grpc), colocated-N, vllm-N, "
-            f"or one of {', '.join(LEGACY_NAMES)}")
-    prefill, decode, transport, kind, engines = match.groups()
+            f"arm {name!r}: expected xPyD (or xPyD-grpc, xPyD-ipc; then -adaptive), colocated-N, vllm-N, "
+            f"adaptive-N, or one of {', '.join(LEGACY_NAMES)}")
+    prefill, decode, transport, adaptive, kind, engines = match.groups()
     if kind is None:
-        spec = ArmSpec(name, "disagg", int(prefill), int(decode), transport=transport or "nccl")
+        spec = ArmSpec(name, "disagg", int(prefill), int(decode), transport=_TRANSPORTS[transport],
+                       adaptive=bool(adaptive))
     else:
         spec = ArmSpec(name, kind, engines=int(engines))
     if spec.num_gpus < 1 or (spec.kind == "disagg" and min(spec.prefill, spec.decode) < 1):
@@ -106,12 +142,20 @@ _FIRST_OUTPUT_LE = ("0.05", "0.075", "0.1", "0.15", "0.2", "0.3", "0.5")
 POOLS = ("prefill", "decode", "colocated")
 
 
+# The mock engine's timings for CPU runs of the scripts, after one H200 (Llama-8B shape): prefill
+# ~40k tokens/s, a decode step of 6 ms plus 27 us per running request (5.0 ms at batch 1, 8.5 at
+# 128), 50,000 blocks of 16 tokens (~800k tokens: ~100 GiB of KV at 128 KiB per token).
+_MOCK_ENGINE = {"prefill_tokens_per_s": 40000, "decode_step_s": 0.006, "decode_step_per_seq_s": 0.000027,
+                "num_kv_blocks": 50000}
+
+
 def pdserve_args(model: str, mock: bool) -> list[str]:
     """`pdserve serve` flags for ENGINE (or the mock engine when testing the script on a CPU)."""
     if mock:
+        timings = {"max_model_len": ENGINE["max_model_len"], **_MOCK_ENGINE}
         return ["--model", model, "--engine", "mock", "--served-model-name", "m",
-                "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--set", "engine.mock.max_model_len=4096",
-                "--set", "engine.mock.prefill_tokens_per_s=40000", "--set", "engine.mock.decode_step_s=0.006",
+                "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+                *(arg for key, value in timings.items() for arg in ("--set", f"engine.mock.{key}={value}")),
                 *(arg for pool in ("prefill", "decode", "colocated")
                   for arg in ("--set", f"pools.{pool}.num_cpus=0.1"))]
     return [
@@ -137,15 +181,20 @@ def vllm_command(model: str, port: int) -> list[str]:
 
 
 def serve_command(spec: ArmSpec, model: str, mock: bool, gpus: list[str], port: int,
-                  step_trace_root: Path | str | None = None) -> tuple[list[str], dict[str, str]]:
-    """`pdserve serve` of a pdserve arm (xPyD or colocated-N) on the first `spec.num_gpus` of `gpus`
-    (CUDA device ids), and the environment it needs. With `step_trace_root` every engine writes its
-    steps to ROOT/ARM-steps/ (for the record)."""
+                  step_trace_root: Path | str | None = None,
+                  slo_ms: tuple[float, float] | None = None) -> tuple[list[str], dict[str, str]]:
+    """`pdserve serve` of a pdserve arm (xPyD, colocated-N or adaptive-N) on the first
+    `spec.num_gpus` of `gpus` (CUDA device ids), and the environment it needs. With
+    `step_trace_root` every engine writes its steps to ROOT/ARM-steps/ (for the record). An
+    adaptive xPyD routes against `slo_ms` (TTFT, TPOT), as `pdserve bench tune` serves one."""
     if spec.kind == "disagg":
         mode = ["--mode", "disaggregated", "--prefill", str(spec.prefill), "--decode", str(spec.decode),
                 "--transport", spec.transport]
-    elif spec.kind == "colocated":
-        mode = ["--mode", "colocated", "--replicas", str(spec.engines)]
+        if spec.adaptive:
+            mode += ["--adaptive", *(["--ttft-ms", f"{slo_ms[0]:g}", "--tpot-ms", f"{slo_ms[1]:g}"]
+                                     if slo_ms else [])]
+    elif spec.kind in ("colocated", "adaptive"):
+        mode = ["--mode", spec.kind, "--replicas", str(spec.engines)]
     else:
         raise ValueError(f"arm {spec.name}: plain vLLM engines are served by vllm_command")
     args = [*pdserve_args(model, mock), *mode]
@@ -163,24 +212,27 @@ def proxy_command(port: int, backends: list[str]) -> list[str]:
 
 
 def per_request(result: dict) -> dict[str, list]:
-    """TTFT and TPOT (ms) of each request, and whether it completed, from a bench result JSON."""
+    """TTFT and TPOT (ms) of each request, whether it completed, and its prompt's tokens, from a
+    bench result JSON, in the workload's request order (request i of one arm is request i of every
+    other arm at the same seed). A one-token output has no TPOT: 0, as `vllm bench serve` counts it
+    (the Mooncake-shaped outputs include such requests)."""
     ttft, tpot, ok = [], [], []
     for t, latency, n, error in zip(
         result["ttfts"], result["latencies"], result["output_lens"], result["errors"], strict=True
     ):
-        good = not error and t is not None and latency is not None and n and n > 1
-        ok.append(bool(good))
+        good = bool(not error and t is not None and latency is not None and n and n >= 1)
+        ok.append(good)
         ttft.append(t * 1e3 if good else None)
-        tpot.append((latency - t) / (n - 1) * 1e3 if good else None)
-    return {"ttft_ms": ttft, "tpot_ms": tpot, "ok": ok}
+        tpot.append(((latency - t) / (n - 1) * 1e3 if n > 1 else 0.0) if good else None)
+    return {"ttft_ms": ttft, "tpot_ms": tpot, "ok": ok, "input_lens": list(result.get("input_lens") or [])}
 
 
-def attainment(requests: dict[str, list], tpot_ms: float) -> float:
-    """Share of all requests (failed ones count as misses) meeting TTFT and this TPOT target."""
+def attainment(requests: dict[str, list], tpot_ms: float, ttft_ms: float = TTFT_MS) -> float:
+    """Share of all requests (failed ones count as misses) meeting this TTFT and TPOT target."""
     met = sum(
         1
         for ok, t, p in zip(requests["ok"], requests["ttft_ms"], requests["tpot_ms"], strict=True)
-        if ok and t <= TTFT_MS and p <= tpot_ms
+        if ok and t <= ttft_ms and p <= tpot_ms
     )
     return met / max(1, len(requests["ok"]))
 

@@ -1,4 +1,5 @@
-"""PNG plots of benchmark results: latency CDFs of one run, SLO attainment vs request rate of sweeps.
+"""PNG plots of benchmark results: latency CDFs of one run, SLO attainment vs request rate of sweeps
+(and of the GPU grid's arms, workload by workload and TPOT target by target).
 
 Figures are built with `matplotlib.figure.Figure` and rendered by the Agg canvas directly, never through
 pyplot: no GUI backend is needed on a headless benchmark host, and no global pyplot state leaks between
@@ -135,6 +136,69 @@ def _draw_attainment(
     axes.set_ylim(0.0, 102.0)
     axes.grid(alpha=0.3)
     axes.legend()
+
+
+def plot_attainment_grid(
+    panels: Mapping[tuple[str, str], Sequence[tuple[str, Sequence[float], Sequence[float]]]],
+    path: str | Path,
+    target_attainment: float = 0.9,
+    title: str = "",
+    arms: Sequence[str] = (),
+) -> Path:
+    """The GPU grid's attainment curves: a row of panels per workload, a column per TPOT target.
+
+    `panels` maps (workload title, TPOT target title) to its lines: (arm, rates per GPU,
+    attainment fractions). Lines of one arm share a colour in every panel (several runs of an arm:
+    several lines of its colour, labelled once), in the order of `arms` (default: as they come),
+    so the panels read alike. Small on purpose (72 dpi, a palette): results folders keep it.
+    """
+    rows = list(dict.fromkeys(workload for workload, _ in panels))
+    columns = list(dict.fromkeys(target for _, target in panels))
+    figure = Figure(figsize=(3.0 * len(columns), 2.4 * len(rows) + 0.5))
+    grid = np.atleast_2d(figure.subplots(len(rows), len(columns), squeeze=False))
+    arms = list(dict.fromkeys([*arms, *(arm for lines in panels.values() for arm, _, _ in lines)]))
+    colours = {arm: f"C{i % 10}" for i, arm in enumerate(arms)}
+    for axes in grid.flat:  # a workload without some target's lines leaves that panel out
+        axes.set_visible(False)
+    for (workload, target), lines in panels.items():
+        axes = grid[rows.index(workload), columns.index(target)]
+        axes.set_visible(True)
+        for arm, rates, shares in lines:
+            ordered = sorted(zip(rates, shares, strict=True))
+            axes.plot([r for r, _ in ordered], [a * 100.0 for _, a in ordered], marker="o", markersize=3,
+                      color=colours[arm], linewidth=1)
+        axes.axhline(target_attainment * 100.0, color="gray", linestyle=":", linewidth=1)
+        axes.set_ylim(0.0, 102.0)
+        axes.set_title(f"{workload}, {target}", fontsize=8)
+        axes.tick_params(labelsize=7)
+        axes.grid(alpha=0.3)
+    for axes in grid[-1]:
+        axes.set_xlabel("req/s per GPU", fontsize=7)
+    for axes in grid[:, 0]:
+        axes.set_ylabel("% meeting both", fontsize=7)
+    height = figure.get_figheight()  # inches: the title and legend get a fixed band at the top
+    handles = [figure.axes[0].plot([], [], color=colours[arm], marker="o", markersize=3)[0] for arm in arms]
+    figure.legend(handles, arms, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.18 / height),
+                  ncol=min(len(arms), 6), fontsize=7, frameon=False)
+    if title:
+        figure.suptitle(title, fontsize=8, y=1 - 0.02 / height)
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.45 / height))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(figure)
+    figure.savefig(path, dpi=72)
+    _to_palette(path)
+    return path
+
+
+def _to_palette(path: Path, colours: int = 256) -> None:
+    """Re-encode a PNG with an adaptive palette: a line plot needs few colours, and the file shrinks
+    ~3x (a recorded results folder keeps its plots)."""
+    from PIL import Image  # matplotlib's own dependency
+
+    with Image.open(path) as image:
+        small = image.convert("RGB").quantize(colours)
+    small.save(path, optimize=True)
 
 
 def plot_goodput_ranking(

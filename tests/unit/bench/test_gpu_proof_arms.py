@@ -22,9 +22,10 @@ def test_arm_names_parse_to_engine_counts(name, kind, prefill, decode, gpus):
     assert (spec.kind, spec.prefill, spec.decode, spec.num_gpus) == (kind, prefill, decode, gpus)
 
 
-@pytest.mark.parametrize("name", ["0P2D", "2P0D", "colocated-0", "2P2", "tp2", "", "2P2D-rdma", "colocated-2-grpc"])
+@pytest.mark.parametrize("name", ["0P2D", "2P0D", "colocated-0", "2P2", "tp2", "", "2P2D-rdma",
+                                  "colocated-2-grpc", "adaptive", "vllm-2-ipc"])
 def test_bad_arm_names_are_refused_with_the_forms_allowed(name):
-    with pytest.raises(argparse.ArgumentTypeError, match=r"xPyD \(or xPyD-grpc\), colocated-N, vllm-N"
+    with pytest.raises(argparse.ArgumentTypeError, match=r"xPyD-ipc; then -adaptive\), colocated-N, "
                        if name not in ("0P2D", "2P0D", "colocated-0") else "at least one"):
         arms.arm_spec(name)
 
@@ -100,6 +101,51 @@ def test_merge_joins_one_arms_rates_from_several_starts(tmp_path):
     merged = json.loads(out.read_text())
     assert [(row["rate"], row["attainment"]["8"]) for row in merged["rates"]] == [(10, 1), (12, 0.5), (14, 0.2)]
     assert [(row["rate"], row["attainment"]["8"]) for row in merged["repeats"]] == [(12, 0.7)]
+
+
+def test_a_cuda_ipc_arm_and_an_adaptive_arm_are_served_as_their_names_say():
+    ipc = arms.arm_spec("1P1D-ipc")
+    assert (ipc.transport, ipc.label, ipc.canonical) == ("cuda_ipc", "pdserve 1P1D (CUDA IPC)", "1P1D-ipc")
+    assert arms.arm_spec("1P1D-cuda_ipc").canonical == "1P1D-ipc"
+    command, env = arms.serve_command(ipc, "model", False, ["0", "1"], 8000)
+    assert command[command.index("--transport") + 1] == "cuda_ipc" and env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    adaptive = arms.arm_spec("adaptive-2")
+    assert (adaptive.kind, adaptive.num_gpus, adaptive.pdserve) == ("adaptive", 2, True)
+    command, _ = arms.serve_command(adaptive, "model", False, ["0", "1"], 8000)
+    assert command[command.index("--mode"):][:4] == ["--mode", "adaptive", "--replicas", "2"]
+    assert [arms.arm_spec(n).canonical for n in ("disagg", "colocated", "vllm", "1P1D-nccl")] == [
+        "1P1D", "colocated-2", "vllm-2", "1P1D"]
+
+
+def test_an_adaptive_split_serves_with_adaptive_on_and_routes_against_the_slo_given():
+    spec = arms.arm_spec("1P1D-ipc-adaptive")
+    assert (spec.kind, spec.transport, spec.adaptive, spec.canonical) == ("disagg", "cuda_ipc", True,
+                                                                        "1P1D-ipc-adaptive")
+    assert spec.label == "pdserve 1P1D (CUDA IPC, adaptive)"
+    command, _ = arms.serve_command(spec, "model", False, ["0", "1"], 8000, slo_ms=(2000.0, 10.0))
+    assert command[command.index("--adaptive"):] == ["--adaptive", "--ttft-ms", "2000", "--tpot-ms", "10"]
+    plain, _ = arms.serve_command(arms.arm_spec("1P1D"), "model", False, ["0", "1"], 8000, slo_ms=(2000.0, 10.0))
+    assert "--adaptive" not in plain and "--ttft-ms" not in plain
+
+
+def test_every_arm_serves_with_one_context_long_enough_for_every_workload():
+    pdserve = arms.pdserve_args("model", mock=False)
+    assert pdserve[pdserve.index("--max-model-len") + 1] == str(arms.ENGINE["max_model_len"])
+    vllm = arms.vllm_command("model", 8000)
+    assert vllm[vllm.index("--max-model-len") + 1] == str(arms.ENGINE["max_model_len"])
+    mock = arms.pdserve_args("model", mock=True)
+    assert f"engine.mock.max_model_len={arms.ENGINE['max_model_len']}" in mock
+
+
+def test_a_one_token_output_meets_any_tpot_and_a_request_is_scored_on_its_workloads_ttft():
+    result = {"ttfts": [0.3, 1.5, 0.2, None], "latencies": [0.3, 4.05, 2.75, None],
+              "output_lens": [1, 256, 256, 0], "errors": ["", "", "", "boom"], "input_lens": [8192] * 4}
+    requests = arms.per_request(result)
+    assert requests["ok"] == [True, True, True, False]
+    assert requests["tpot_ms"][:3] == [0.0, pytest.approx(10.0), pytest.approx(10.0)]
+    assert requests["input_lens"] == [8192] * 4
+    assert arms.attainment(requests, 10.0) == 0.5  # TTFT <= 500 ms: the 1.5 s one misses
+    assert arms.attainment(requests, 10.0, ttft_ms=2000.0) == 0.75
 
 
 def test_a_grpc_arm_serves_with_the_grpc_transport_and_says_so():
