@@ -1,26 +1,32 @@
-"""GPU proof (issues 9 and 7): per-GPU goodput of pdserve xPyD (NCCL KV pulls) against pdserve
-colocated on the same GPUs and against plain vLLM engines behind round robin, on one host.
+"""GPU proof (issues 9, 7 and 31): per-GPU goodput of pdserve xPyD against pdserve colocated on the
+same GPUs and against plain vLLM engines behind round robin, on one host, workload by workload.
 
-    benchmarks/gpu/proof.sh MODEL_DIR transfer disagg      # on the GPU host (bundle; see proof.sh)
-    python benchmarks/gpu/proof.py run --model DIR --out DIR --arm colocated
+    benchmarks/gpu/grid.sh MODEL_DIR isl8k+isl16k:1P1D      # issue 31's grid on the GPU host
+    benchmarks/gpu/proof.sh MODEL_DIR transfer disagg       # issue 9's parts (see proof.sh)
+    python benchmarks/gpu/proof.py run --model DIR --out DIR --arm 1P1D --workloads isl8k isl16k
     python benchmarks/gpu/proof.py run --model DIR --out DIR --arm 2P2D --rates 16 24 32
-    python benchmarks/gpu/proof.py summarize --results DIR  # anywhere: table, plots, summary.json
+    python benchmarks/gpu/proof.py summarize --results DIR  # anywhere: tables, plots, summary.json
+    python benchmarks/gpu/proof.py merge --out DIR SESSION_DIR...   # runs of several sessions
     python benchmarks/gpu/proof.py merge a/colocated.json c/colocated.json --out DIR/colocated.json
 
-Arms: `xPyD` (pdserve, x prefill + y decode engines, KV over NCCL; `xPyD-grpc` over gRPC),
-`colocated-N` (pdserve, N colocated engines), `vllm-N` (N plain vLLM servers behind
-pdserve.bench.rr_proxy); the two-GPU names of issue 9 stay: `disagg` = 1P1D, `colocated` = colocated-2,
+Arms (pdserve.bench.arms): `xPyD` (pdserve, x prefill + y decode engines, KV over NCCL;
+`xPyD-ipc` by CUDA IPC, `xPyD-grpc` over gRPC; `-adaptive` after either: `pdserve serve
+--adaptive`), `colocated-N` (pdserve, N colocated engines), `adaptive-N` (a name kept for an
+N-engine adaptive mode pdserve has not yet), `vllm-N` (N plain vLLM servers behind
+pdserve.bench.rr_proxy); issue 9's names stay: `disagg` = 1P1D, `colocated` = colocated-2,
 `vllm` = vllm-2. An arm uses the first GPUs of CUDA_VISIBLE_DEVICES (or `--gpus`). With
 PROOF_STEP_TRACE=DIR a pdserve arm's engines write their step traces to DIR/ARM-steps/.
 
-`run` serves one arm with the same engine settings as every other arm (arms.ENGINE), sends the
-same workload at each rate (random token-id prompts of ISL tokens, OSL output tokens with
-ignore_eos, Poisson arrivals; `pdserve bench serve` as the client), and writes ARM.json: per
-rate the bench summary, each request's TTFT and TPOT, and (pdserve arms) the KV pulls from
-/metrics. `summarize` turns the arms' JSON into the goodput table: per target TPOT X, the highest
-tested rate at which >= 90% of requests had TTFT <= 500 ms and TPOT <= X, divided by the arm's GPUs.
-The arms, their commands and counters are pdserve.bench.arms; the table and merge
-pdserve.bench.arm_summary.
+`run` starts one arm with the engine settings of every other arm (arms.ENGINE) and, for each
+workload named (pdserve.bench.grid.WORKLOADS: isl2k, isl8k, isl16k, mooncake), sends it at one
+rate after another (`pdserve bench serve`: token-id prompts, ignore_eos, Poisson arrivals seeded by
+workload and rate, so every arm meets the same requests at a rate): the `--rates` given, or the
+rates a bisection picks on the workload's rate lattice until each TPOT target's knee is bracketed
+(grid.next_index), within the workload's share of `--budget-s`. It writes RECORD.json (default:
+the arm's name) after every probe: per workload and rate the bench summary, each request's TTFT
+and TPOT, the attainment at each TPOT target, and (pdserve arms) the engines' counters. Logs and
+the bench's own files go to RECORD-raw/. `summarize` tables every record in a folder
+(pdserve.bench.arm_summary, grid_summary).
 """
 
 from __future__ import annotations
@@ -29,11 +35,14 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -42,11 +51,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pdserve.bench.arm_summary import merge, summarize  # noqa: E402
 from pdserve.bench.arms import (  # noqa: E402
-    ENGINE, ISL, OSL, RATES, TPOT_TARGETS_MS, TTFT_MS, ArmSpec, arm_spec, attainment, counters_line, delta,
-    engine_counters, pdserve_args, per_request, proxy_command, pulls_from_log, serve_command, vllm_command,
+    ENGINE, RATES, TPOT_TARGETS_MS, ArmSpec, arm_spec, attainment, counters_line, delta, engine_counters,
+    pdserve_args, per_request, proxy_command, pulls_from_log, serve_command, vllm_command,
 )
+from pdserve.bench.grid import (  # noqa: E402
+    WORKLOADS, GridWorkload, RateLattice, assign_gpus, estimate_arm_s, next_index, parse_slice, probe_seconds,
+)
+from pdserve.bench.grid_summary import SCHEMA, merge_runs  # noqa: E402
 from pdserve.testing.server import (  # noqa: E402
     RunningServer, free_port, spawn_process, start_process, wait_healthy)
+
+TARGET_KEYS = tuple(f"{x:g}" for x in TPOT_TARGETS_MS)  # tightest first: the bisection's priority
 
 
 @dataclass
@@ -66,16 +81,25 @@ class Arm:
             except Exception as exc:  # noqa: BLE001 - stop the others anyway
                 print(f"stopping {process.log_path.name} failed: {exc}", flush=True)
 
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.base_url}/health", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
 
-def start_arm(spec: ArmSpec, model: str, out: Path, mock: bool, gpus: list[str]) -> Arm:
-    """Starts an arm on `gpus` (CUDA device ids) and returns once it answers /health."""
+
+def start_arm(spec: ArmSpec, model: str, logs: Path, mock: bool, gpus: list[str], start_timeout_s: float,
+              slo_ms: tuple[float, float] | None = None) -> Arm:
+    """Starts an arm on `gpus` (CUDA device ids), its logs in `logs`; returns once it answers /health.
+    An adaptive arm routes against `slo_ms` (TTFT, TPOT)."""
     name = spec.name
     if len(gpus) < spec.num_gpus and not mock:
         raise SystemExit(f"arm {name} needs {spec.num_gpus} GPUs, {len(gpus)} visible: {gpus}")
-    if spec.kind in ("disagg", "colocated"):
+    if spec.pdserve:
         port = free_port()
-        command, env = serve_command(spec, model, mock, gpus, port, os.environ.get("PROOF_STEP_TRACE"))
-        server = start_process(command, port, out / f"{name}-server.log", 900, env)
+        trace = os.environ.get("PROOF_STEP_TRACE")
+        command, env = serve_command(spec, model, mock, gpus, port, trace, slo_ms)
+        server = start_process(command, port, logs / "server.log", start_timeout_s, env)
         visible = ",".join(gpus[: spec.num_gpus])
         return Arm(name, server.base_url, [server], [f"CUDA_VISIBLE_DEVICES={visible} {shlex.join(command)}"],
                    pdserve=True)
@@ -89,14 +113,14 @@ def start_arm(spec: ArmSpec, model: str, out: Path, mock: bool, gpus: list[str])
             else:
                 command = vllm_command(model, port)
             env = {"CUDA_VISIBLE_DEVICES": str(gpu)}
-            processes.append(spawn_process(command, port, out / f"vllm{gpu}-server.log", env))
+            processes.append(spawn_process(command, port, logs / f"vllm{gpu}-server.log", env))
             commands.append(f"CUDA_VISIBLE_DEVICES={gpu} {shlex.join(command)}")
             backends.append(f"http://127.0.0.1:{port}")
         for server in processes:  # the engines start side by side, as a pdserve arm's do
-            wait_healthy(server, 900)
+            wait_healthy(server, start_timeout_s)
         port = free_port()
         proxy = proxy_command(port, backends)
-        processes.append(start_process(proxy, port, out / "proxy.log", 60))
+        processes.append(start_process(proxy, port, logs / "proxy.log", 60))
         commands.append(shlex.join(proxy))
     except BaseException:
         for process in reversed(processes):
@@ -105,15 +129,15 @@ def start_arm(spec: ArmSpec, model: str, out: Path, mock: bool, gpus: list[str])
     return Arm(name, f"http://127.0.0.1:{port}", processes, commands, pdserve=False)
 
 
-def bench_command(arm: Arm, model: str, rate: float, prompts: int, result_dir: Path, seed: int) -> list[str]:
+def bench_command(arm: Arm, model: str, workload: GridWorkload, rate: float, prompts: int, seed: int,
+                  result_dir: Path, filename: str) -> list[str]:
     return [
         sys.executable, "-m", "pdserve", "bench", "serve", "--base-url", arm.base_url, "--model", "m",
-        "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(ISL),
-        "--random-output-len", str(OSL), "--random-range-ratio", "0", "--prompt-format", "token-ids",
+        "--tokenizer", model, *workload.bench_flags(), "--prompt-format", "token-ids",
         "--ignore-eos", "--num-prompts", str(prompts), "--request-rate", str(rate), "--burstiness", "1",
-        "--seed", str(seed), "--goodput", f"ttft:{TTFT_MS:g}", f"tpot:{TPOT_TARGETS_MS[1]:g}",
+        "--seed", str(seed), "--goodput", f"ttft:{workload.ttft_ms:g}", f"tpot:{TPOT_TARGETS_MS[1]:g}",
         "--save-result", "--no-plots", "--disable-tqdm", "--label", arm.name,
-        "--result-dir", str(result_dir), "--result-filename", f"rate-{rate:g}.json",
+        "--result-dir", str(result_dir), "--result-filename", filename,
     ]  # fmt: skip
 
 
@@ -132,22 +156,26 @@ SUMMARY_KEYS = (
 )  # fmt: skip
 
 
-def run_rate(arm: Arm, model: str, rate: float, args: argparse.Namespace, raw: Path) -> dict:
-    prompts = max(args.min_prompts, round(rate * args.arrival_s))
-    command = bench_command(arm, model, rate, prompts, raw, seed=int(rate * 1000))
+def run_probe(arm: Arm, model: str, workload: GridWorkload, rate: float, prompts: int, raw: Path) -> dict:
+    """One rate of one workload: the bench run, and the row the record keeps of it."""
+    seed = workload.seed(rate)
+    filename = f"{workload.name}-rate-{rate:g}.json"
+    command = bench_command(arm, model, workload, rate, prompts, seed, raw, filename)
     before = kv_counters(arm)
     started = time.monotonic()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     wall = time.monotonic() - started
-    result = json.loads((raw / f"rate-{rate:g}.json").read_text())
+    result = json.loads((raw / filename).read_text())
     requests = per_request(result)
     row = {
         "rate": rate,
+        "rate_per_gpu": None,  # set by the caller, who knows the arm's GPUs
         "num_prompts": prompts,
+        "seed": seed,
         "wall_s": wall,
         "command": shlex.join(command),
         "bench": {k: result.get(k) for k in SUMMARY_KEYS},
-        "attainment": {f"{x:g}": attainment(requests, x) for x in TPOT_TARGETS_MS},
+        "attainment": {key: attainment(requests, float(key), workload.ttft_ms) for key in TARGET_KEYS},
         "requests": requests,
     }
     if arm.pdserve:
@@ -156,9 +184,9 @@ def run_rate(arm: Arm, model: str, rate: float, args: argparse.Namespace, raw: P
 
 
 def warm_up(arm: Arm, model: str, raw: Path) -> None:
-    """Unmeasured requests first: CUDA graphs, the NCCL pair, allocator pools all settle."""
-    command = bench_command(arm, model, 8, 24, raw, seed=1)
-    command[command.index("--result-filename") + 1] = "warmup.json"
+    """Unmeasured requests first (issue 9's: 24 prompts of 2048 tokens at 8 req/s, seed 1): CUDA
+    graphs, the KV pair, allocator pools all settle."""
+    command = bench_command(arm, model, WORKLOADS["isl2k"], 8, 24, 1, raw, "warmup.json")
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
 
 
@@ -181,55 +209,138 @@ def host_facts() -> dict:
     return facts
 
 
+def _next_rate(sweep: dict, lattice: RateLattice,
+               fixed: list[float] | None) -> tuple[float, int | None] | None:
+    """The sweep's next rate (and lattice index): the next of `fixed`, or the bisection's."""
+    rows = sweep["rates"]
+    if fixed is not None:
+        if rows and max(rows[-1]["attainment"].values()) < 0.5:  # past the knee for every target
+            return None
+        return (fixed[len(rows)], None) if len(rows) < len(fixed) else None
+    index = next_index({row["index"]: row["attainment"] for row in rows}, TARGET_KEYS, lattice)
+    return None if index is None else (lattice.rate(index), index)
+
+
+def sweep_workload(arm: Arm, spec: ArmSpec, args: argparse.Namespace, workload: GridWorkload, sweep: dict,
+                   share_end: float, save: Callable[[], None]) -> bool:
+    """Probes one workload until its knees are bracketed, its rates or probes run out, or the next
+    probe would end after `share_end`; False if the arm stopped serving meanwhile."""
+    lattice = RateLattice(workload.rate_unit * spec.num_gpus, args.steps_per_octave)
+    fixed = list(args.rates or RATES.get(args.arm) or []) or None
+    sweep.update(method="rates" if fixed else "bisection",
+                 lattice={"unit": lattice.unit, "steps_per_octave": lattice.steps_per_octave})
+    raw = args.out / f"{args.record}-raw"
+    while (step := _next_rate(sweep, lattice, fixed)) is not None:
+        rate, index = step
+        prompts = workload.num_prompts(rate, args.arrival_s, args.min_prompts)
+        max_probes = None if fixed else args.max_probes  # a list of rates given is run whole
+        left_s = share_end - time.monotonic()
+        reason = _stop_reason(workload, rate, prompts, len(sweep["rates"]), max_probes, left_s)
+        if reason:
+            sweep["stopped"] = f"before rate {rate:g}: {reason}"
+            if fixed:
+                sweep["skipped_rates"] = fixed[len(sweep["rates"]):]
+            print(f"{spec.name} {workload.name}: stopped {sweep['stopped']}", flush=True)
+            return True
+        try:
+            row = run_probe(arm, args.model, workload, rate, prompts, raw)
+        except subprocess.CalledProcessError as exc:
+            sweep["stopped"] = f"rate {rate:g}: the bench client failed ({exc.returncode})"
+            print(f"{spec.name} {workload.name}: {sweep['stopped']}", flush=True)
+            return arm.healthy()
+        row.update(index=index, rate_per_gpu=rate / spec.num_gpus)
+        sweep["rates"].append(row)
+        save()
+        print(_probe_line(spec.name, workload.name, row), flush=True)
+        if not row["bench"]["completed"] and not arm.healthy():
+            sweep["stopped"] = f"rate {rate:g}: the arm stopped serving"
+            return False
+    return True
+
+
+def _stop_reason(workload: GridWorkload, rate: float, prompts: int, probes: int, max_probes: int | None,
+                 left_s: float) -> str | None:
+    """Why the next probe is not run (None: it is)."""
+    if max_probes is not None and probes >= max_probes:
+        return f"{probes} probes (--max-probes)"
+    needed = probe_seconds(workload, rate, prompts)
+    if needed > left_s:
+        return f"it needs ~{needed:.0f} s, {left_s:.0f} s of the workload's share left"
+    return None
+
+
+def _probe_line(arm: str, workload: str, row: dict) -> str:
+    b = row["bench"]
+    line = (f"{arm} {workload} rate {row['rate']:g} ({row['rate_per_gpu']:.3g}/GPU): {b['completed']} ok "
+            f"{b['failed']} failed in {row['wall_s']:.0f} s, {b['request_throughput']:.2f} req/s, TTFT p90 "
+            f"{b['p90_ttft_ms']:.0f} ms, TPOT p90 {b['p90_tpot_ms']:.1f} ms, attainment "
+            + " ".join(f"{k}ms={v:.2f}" for k, v in row["attainment"].items()))
+    return line + (f", {counters_line(row['kv'])}" if "kv" in row else "")
+
+
+def new_record(args: argparse.Namespace, spec: ArmSpec, gpus: list[str]) -> dict:
+    started = datetime.now(UTC)
+    return {
+        "schema": SCHEMA, "run_id": f"{started:%Y%m%dT%H%M%SZ}-{args.record}-{secrets.token_hex(3)}",
+        "arm": args.arm, "canonical": spec.canonical, "label": spec.label, "kind": spec.kind,
+        "prefill": spec.prefill, "decode": spec.decode, "engines": spec.engines, "transport": spec.transport,
+        "num_gpus": spec.num_gpus, "gpus": gpus[: spec.num_gpus], "engine": ENGINE, "mock": args.mock,
+        "started_utc": started.isoformat(timespec="seconds"), "budget_s": args.budget_s,
+        "arrival_s": args.arrival_s, "min_prompts": args.min_prompts, "max_probes": args.max_probes,
+        "steps_per_octave": args.steps_per_octave, "host": host_facts(), "sweeps": [], "pull_log_ms": [],
+    }  # fmt: skip
+
+
+def with_issue9_keys(record: dict) -> dict:
+    """A record of one workload also carries issue 9's top-level keys (`rates`, `isl`, `osl`,
+    `ttft_ms`, `tpot_targets_ms`, `skipped_rates`), so the readers of those records
+    (benchmarks/gpu/tax.sh, research/sim_validate_gpu.py) read it unchanged."""
+    if len(record["sweeps"]) != 1:
+        return record
+    sweep = record["sweeps"][0]
+    spec = sweep["spec"]
+    lengths = {"isl": spec["input_len"], "osl": spec["output_len"]} if spec["dataset"] == "random" else {}
+    return {**record, **lengths, "ttft_ms": sweep["ttft_ms"], "tpot_targets_ms": sweep["tpot_targets_ms"],
+            "rates": sweep["rates"], "skipped_rates": sweep.get("skipped_rates", [])}
+
+
 def run_arm(args: argparse.Namespace) -> int:
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    raw = out / f"{args.arm}-raw"
-    raw.mkdir(exist_ok=True)
-    deadline = time.monotonic() + args.budget_s
     started = time.monotonic()
+    deadline = started + args.budget_s
+    out: Path = args.out
+    raw = out / f"{args.record}-raw"
+    raw.mkdir(parents=True, exist_ok=True)
     spec = args.arm_spec
     gpus = args.gpus or [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
     gpus = gpus or [str(i) for i in range(_gpu_count())]
-    arm = start_arm(spec, args.model, out, args.mock, gpus)
-    record = {
-        "arm": args.arm, "label": spec.label, "engine": ENGINE, "isl": ISL, "osl": OSL,
-        "ttft_ms": TTFT_MS, "tpot_targets_ms": TPOT_TARGETS_MS, "num_gpus": spec.num_gpus,
-        "kind": spec.kind, "prefill": spec.prefill, "decode": spec.decode, "gpus": gpus[: spec.num_gpus],
-        "start_s": time.monotonic() - started, "commands": arm.commands, "host": host_facts(),
-        "arrival_s": args.arrival_s, "min_prompts": args.min_prompts, "rates": [], "skipped_rates": [],
-    }  # fmt: skip
-    print(f"{args.arm}: up in {record['start_s']:.0f} s at {arm.base_url}", flush=True)
+    record = new_record(args, spec, gpus)
+    path = out / f"{args.record}.json"
+    save = lambda: path.write_text(json.dumps(with_issue9_keys(record)))  # noqa: E731
+    # An adaptive arm routes against one pair of targets for its whole start: its first workload's
+    # TTFT and the TPOT the bench client's own goodput line uses (10 ms).
+    if spec.adaptive:
+        record["slo_ms"] = [WORKLOADS[args.workloads[0]].ttft_ms, TPOT_TARGETS_MS[1]]
+    arm = start_arm(spec, args.model, raw, args.mock, gpus, max(60.0, deadline - time.monotonic()),
+                    record.get("slo_ms"))
+    record.update(start_s=time.monotonic() - started, commands=arm.commands)
+    print(f"{args.record}: {spec.name} up in {record['start_s']:.0f} s at {arm.base_url}", flush=True)
     try:
         warm_up(arm, args.model, raw)
-        rates = args.rates or RATES.get(args.arm)
-        if not rates:
-            raise SystemExit(f"arm {args.arm}: give --rates (total req/s)")
-        for i, rate in enumerate(rates):
-            prompts = max(args.min_prompts, round(rate * args.arrival_s))
-            if time.monotonic() + prompts / rate + 20 > deadline:
-                record["skipped_rates"] = rates[i:]
-                print(f"{args.arm}: out of time budget, skipping rates {rates[i:]}", flush=True)
-                break
-            row = run_rate(arm, args.model, rate, args, raw)
-            record["rates"].append(row)
-            b = row["bench"]
-            print(
-                f"{args.arm} rate {rate:g}: {b['completed']} ok {b['failed']} failed, "
-                f"{b['request_throughput']:.2f} req/s, TTFT p90 {b['p90_ttft_ms']:.0f} ms, "
-                f"TPOT p90 {b['p90_tpot_ms']:.1f} ms, attainment "
-                + " ".join(f"{k}ms={v:.2f}" for k, v in row["attainment"].items())
-                + (f", {counters_line(row['kv'])}" if "kv" in row else ""),
-                flush=True,
-            )
-            if max(row["attainment"].values()) < 0.5:  # past the knee for every target
-                record["skipped_rates"] = rates[i + 1 :]
+        for i, name in enumerate(args.workloads):
+            workload = WORKLOADS[name]
+            # Each workload left gets an equal share of the time left; what one leaves, the next gets.
+            share_end = time.monotonic() + (deadline - time.monotonic()) / (len(args.workloads) - i)
+            sweep = {"workload": name, "ttft_ms": workload.ttft_ms, "tpot_targets_ms": list(TPOT_TARGETS_MS),
+                     "spec": workload.as_dict(), "rates": []}
+            record["sweeps"].append(sweep)
+            if not sweep_workload(arm, spec, args, workload, sweep, share_end, save):
                 break
     finally:
-        (out / f"{args.arm}.json").write_text(json.dumps(record))
+        save()
         arm.stop()
-    record["pull_log_ms"] = pulls_from_log(out / f"{args.arm}-server.log")
-    (out / f"{args.arm}.json").write_text(json.dumps(record))
+    record["pull_log_ms"] = pulls_from_log(raw / "server.log")
+    record["wall_s"] = time.monotonic() - started
+    save()
     return 0
 
 
@@ -242,33 +353,89 @@ def _gpu_count() -> int:
         return 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="serve one arm and sweep its rates (GPU host)")
-    run.add_argument("--arm", required=True, help="xPyD, colocated-N, vllm-N (or disagg/colocated/vllm)")
+def plan(args: argparse.Namespace) -> int:
+    """grid.sh's plan: per group of a slice, a line `GROUP<TAB>WORKLOADS<TAB>ARM=GPUS ...` on stdout
+    (every slice checked before anything starts: a typo costs no device time), the expected
+    seconds on stderr."""
+    try:
+        slices = [(text, parse_slice(text)) for text in args.slices]
+        lines, total = [], 0.0
+        for text, groups in slices:
+            slice_s = 0.0
+            for group in groups:
+                gpus = assign_gpus(group.arms, args.gpus)
+                group_s = max(estimate_arm_s(group.workloads, arm_spec(arm).num_gpus, args.start_s)
+                              for arm in group.arms)
+                slice_s += group_s
+                arms = " ".join(f"{arm}={','.join(ids)}" for arm, ids in zip(group.arms, gpus, strict=True))
+                lines.append(f"GROUP\t{' '.join(group.workloads)}\t{arms}")
+            print(f"# {text}: ~{slice_s:.0f} s expected (arm start {args.start_s:g} s each)", file=sys.stderr)
+            total += slice_s
+    except ValueError as exc:
+        print(f"grid: {exc}", file=sys.stderr)
+        return 2
+    print(f"# all: ~{total:.0f} s", file=sys.stderr)
+    print("\n".join(lines))
+    return 0
+
+
+def _workload_name(text: str) -> str:
+    if text not in WORKLOADS:
+        raise argparse.ArgumentTypeError(f"workload {text!r}: one of {', '.join(WORKLOADS)}")
+    return text
+
+
+def _add_run(commands) -> None:
+    run = commands.add_parser("run", help="serve one arm, sweep its rates workload by workload (GPU host)")
+    run.add_argument("--arm", required=True, help="xPyD[-ipc|-grpc], colocated-N, vllm-N, adaptive-N "
+                     "(or disagg/colocated/vllm)")
+    run.add_argument("--workloads", type=_workload_name, nargs="+", default=["isl2k"],
+                     help=f"in order, each sweep against the one started arm ({', '.join(WORKLOADS)})")
+    run.add_argument("--record", help="the record's name, RECORD.json (default: the arm's name)")
     run.add_argument("--gpus", type=lambda v: v.split(","), help="CUDA device ids, e.g. 0,1 (default: all)")
     run.add_argument("--model", required=True, help="config.json + tokenizer directory (dummy weights)")
     run.add_argument("--out", type=Path, required=True)
-    run.add_argument("--rates", type=float, nargs="+", help="total req/s (default: the arm's RATES)")
-    run.add_argument("--arrival-s", type=float, default=12.0, help="seconds of arrivals per rate")
-    run.add_argument("--min-prompts", type=int, default=80, help="requests per rate at least")
-    run.add_argument("--budget-s", type=float, default=420.0, help="skip rates that would end later")
+    run.add_argument("--rates", type=float, nargs="+",
+                     help="total req/s, each workload (default: a bisection; issue 9's names: their RATES)")
+    run.add_argument("--steps-per-octave", type=int, default=4, help="the bisection's rate lattice")
+    run.add_argument("--max-probes", type=int, default=8, help="rates per workload at most")
+    run.add_argument("--arrival-s", type=float, help="seconds of arrivals per rate (default: the workload's)")
+    run.add_argument("--min-prompts", type=int, help="requests per rate at least (default: the workload's)")
+    run.add_argument("--budget-s", type=float, default=420.0,
+                     help="seconds from now for the start and every probe; a probe that would end "
+                          "later is not started")
     run.add_argument("--mock", action="store_true", help="pdserve's mock engine (CPU test of the script)")
-    summary = commands.add_parser("summarize", help="goodput table and plots from the arms' JSON")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_run(commands)
+    summary = commands.add_parser("summarize", help="goodput tables and plots from the arms' records")
     summary.add_argument("--results", type=Path, required=True)
     summary.add_argument("--no-plots", action="store_true")
-    joined = commands.add_parser("merge", help="one arm's records from several starts into one")
-    joined.add_argument("records", type=Path, nargs="+", help="ARM.json files of the same arm")
+    planned = commands.add_parser("plan", help="grid.sh's slices checked, split into groups, timed")
+    planned.add_argument("slices", nargs="+", help="WORKLOAD[+WORKLOAD]:ARM[,ARM][/ARM] (grid.parse_slice)")
+    planned.add_argument("--gpus", type=lambda v: v.split(","), default=["0", "1"], help="CUDA device ids")
+    planned.add_argument("--start-s", type=float, default=170.0, help="an arm's expected start")
+    joined = commands.add_parser(
+        "merge", help="runs of several folders (sessions) into one folder (--out DIR); or, with "
+                      "--out FILE.json, one issue-9 arm's records from several starts into one")
+    joined.add_argument("records", type=Path, nargs="+", help="results folders or arm records")
     joined.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.command == "plan":
+        return plan(args)
     if args.command == "merge":
-        return merge(args.records, args.out)
+        if args.out.suffix == ".json":
+            return merge(args.records, args.out)
+        return merge_runs(args.records, args.out)
     if args.command == "run":
         try:
             args.arm_spec = arm_spec(args.arm)
         except argparse.ArgumentTypeError as e:
             parser.error(str(e))
+        args.record = args.record or args.arm
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         return run_arm(args)
     return summarize(args.results, plots=not args.no_plots)

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU proof (issues 9 and 7) on a 2- or 4-GPU host with the vLLM 0.24 + Ray bundle parts in /tmp/b:
+# GPU proof (issues 9 and 7) on a 2- or 4-GPU host with the vLLM 0.24 + Ray bundle parts in /tmp/b
+# (issue 31's grid of workloads and arms: benchmarks/gpu/grid.sh):
 #   benchmarks/gpu/proof.sh MODEL_DIR PART...
 #   PART: transfer | disagg | colocated | vllm          issue 9's two-GPU parts
 #         arm:NAME:R1,R2,...                          any arm of proof.py (2P2D, 2P2D-grpc,
-#                                                     colocated-4, vllm-4) at these total rates
+#                                                     1P1D-ipc, colocated-4, vllm-4) at these total rates
 #                                                     (req/s); PROOF_STEP_TRACE=$OUT keeps the
 #                                                     engines' step traces in ARM-raw.tar.xz
 #         profile                                     one engine on the last GPU, measured by
@@ -42,10 +43,11 @@ for part in "$@"; do
         --budget-s "${PROOF_BUDGET_S:-300}" --arrival-s "${PROOF_ARRIVAL_S:-12}" \
         --min-prompts "${PROOF_MIN_PROMPTS:-80}" ${rates[@]:+--rates "${rates[@]}"} ${PROOF_MOCK:+--mock} || echo "$name failed: $?"
       [[ $name == vllm* ]] || stop_ray  # plain vLLM runs no Ray (another part's Ray may be up)
-      logs=$(cd "$out" && ls "$name-server.log" 2>/dev/null; [[ $name != vllm* ]] || ls vllm[0-9]*-server.log proxy.log 2>/dev/null
-             ls -d "$name-steps" 2>/dev/null; true)  # PROOF_STEP_TRACE=$out: the engines' step traces
-      tar -cJf "$out/$name-raw.tar.xz" -C "$out" "$name-raw" $logs
-      (cd "$out" && rm -rf "$name-raw" $logs) ;;
+      # The arm's logs are in $name-raw/ with the bench results; PROOF_STEP_TRACE=$out: the engines'
+      # step traces in $name-steps/.
+      steps=$(cd "$out" && ls -d "$name-steps" 2>/dev/null; true)
+      tar -cJf "$out/$name-raw.tar.xz" -C "$out" "$name-raw" $steps
+      (cd "$out" && rm -rf "$name-raw" $steps) ;;
     profile)
       # One engine on PROFILE_GPU (default: the last, so it can run beside `transfer` on the first two).
       gpu=${PROFILE_GPU:-$(( $(nvidia-smi -L | wc -l) - 1 ))} port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')

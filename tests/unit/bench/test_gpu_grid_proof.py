@@ -1,0 +1,60 @@
+"""benchmarks/gpu/proof.py's own helpers for the grid (issue 31): the record's issue-9 keys, the
+next rate of a sweep, and `plan`, which checks grid.sh's slices before anything starts."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench import grid
+from pdserve.bench.arms import ENGINE
+
+pytestmark = pytest.mark.unit
+
+TARGETS = ("8", "10", "15", "20")
+
+
+_PATH = Path(__file__).parents[3] / "benchmarks" / "gpu" / "proof.py"
+_spec = importlib.util.spec_from_file_location("gpu_proof", _PATH)
+proof = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_proof"] = proof  # its dataclasses look their module up there
+_spec.loader.exec_module(proof)
+
+
+def _record(arm: str, sweeps: dict[str, list[dict]]) -> dict:
+    return {"schema": 2, "run_id": "id", "arm": arm, "num_gpus": 1, "engine": ENGINE,
+            "sweeps": [{"workload": name, "ttft_ms": grid.WORKLOADS[name].ttft_ms,
+                        "tpot_targets_ms": [8.0, 10.0, 15.0, 20.0], "rates": rows,
+                        "spec": grid.WORKLOADS[name].as_dict()} for name, rows in sweeps.items()]}
+
+
+def test_a_one_workload_record_also_carries_issue_9s_top_level_keys():
+    record = _record("vllm-1", {"isl2k": [{"rate": 4.0, "attainment": {}}]})
+    flat = proof.with_issue9_keys(record)
+    assert (flat["isl"], flat["osl"], flat["ttft_ms"]) == (2048, 256, 500.0)
+    assert flat["rates"] == record["sweeps"][0]["rates"]
+    two = _record("vllm-1", {"isl2k": [], "isl8k": []})
+    assert "rates" not in proof.with_issue9_keys(two)
+
+
+def test_fixed_rates_stop_past_every_targets_knee_and_the_bisection_follows_its_lattice():
+    lattice = grid.RateLattice(3.0)
+    sweep = {"rates": []}
+    assert proof._next_rate(sweep, lattice, [4.0, 8.0, 12.0]) == (4.0, None)
+    sweep["rates"].append({"attainment": {t: 0.4 for t in TARGETS}, "index": None})
+    assert proof._next_rate(sweep, lattice, [4.0, 8.0, 12.0]) is None
+    bisect = {"rates": [{"index": 0, "attainment": {t: 1.0 for t in TARGETS}}]}
+    assert proof._next_rate(bisect, lattice, None) == (6.0, 4)
+
+
+def test_plan_checks_every_slice_before_anything_starts(capsys):
+    args = type("Args", (), {"slices": ["isl8k+isl16k:1P1D", "isl2k:colocated-1/vllm-1"], "gpus": ["0", "1"],
+                             "start_s": 170.0})
+    assert proof.plan(args) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines() == ["GROUP\tisl8k isl16k\t1P1D=0,1", "GROUP\tisl2k\tcolocated-1=0 vllm-1=1"]
+    assert "isl8k+isl16k:1P1D: ~" in out.err
+    args.slices = ["isl8k:1P1D", "isl8k:4P4D"]
+    assert proof.plan(args) == 2
+    assert "need 8 GPUs" in capsys.readouterr().err
