@@ -267,14 +267,15 @@ def overhead_p50(overheads: Sequence[dict]) -> float | None:
 def _fmt(entry: dict) -> str:
     text = f"{entry['value']:.3g}"
     if entry["runs"] > 1:
-        text += f" [{entry['min']:.3g}-{entry['max']:.3g}] x{entry['runs']}"
+        same = entry["min"] == entry["max"]
+        text += (" " if same else f" [{entry['min']:.3g}-{entry['max']:.3g}] ") + f"x{entry['runs']}"
     return (">= " if entry["lower_bound"] else "") + text
 
 
 def markdown(cell_list: Sequence[dict]) -> str:
     """Per workload: a row per TPOT target, a column per arm, then the best pdserve arm and its
-    ratio to each plain-vLLM arm (median goodput per GPU; [min-max] xN over N runs; '>=': a run
-    still passed at its highest rate)."""
+    ratio to each plain-vLLM arm (median goodput per GPU; [min-max] xN over N runs, the range left
+    out where they agree; '>=': a run still passed at its highest rate)."""
     blocks = []
     for workload, ttft_ms in dict.fromkeys((c["workload"], c["ttft_ms"]) for c in cell_list):
         mine = [c for c in cell_list if (c["workload"], c["ttft_ms"]) == (workload, ttft_ms)]
