@@ -8,9 +8,9 @@
 #   b   pdserve 1P1D (KV over NCCL) on GPUs 0,1 at 2-12 req/s: its first token against step a's
 #       vllm-1 at the same arrivals
 # Each step writes ARM.json (per rate, each request's TTFT and TPOT) and ARM-raw.tar.xz under
-# $OUT, then prints the request-by-request TTFT differences against vllm-1.json when $OUT has it:
-# `pdserve_ttft[i] - vllm_ttft[i]` per rate (median, p10, p90 over requests both completed) and
-# the median over rates.
+# $OUT; step a then prints the request-by-request TTFT differences (tax_summary.py):
+# `pdserve_ttft[i] - vllm_ttft[i]` per rate (median over requests both completed) and the median
+# over rates.
 set -uo pipefail
 model=${1:?usage: tax.sh MODEL_DIR STEP}; step=${2:?step a or b}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -27,39 +27,8 @@ case $step in
        >"$out/b-1p1d.log" 2>&1; tail -n 12 "$out/b-1p1d.log" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
-python3 - "$out" <<'EOF'
-import json, statistics, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-ref = out / "vllm-1.json"
-if not ref.exists():
-    sys.exit(0)
-vllm = {r["rate"]: r["requests"]["ttft_ms"] for r in json.loads(ref.read_text())["rates"]}
-print("| arm | rate | requests | TTFT - vLLM's, median ms | p10 | p90 | vLLM TTFT p50 ms |")
-print("|---|---|---|---|---|---|---|")
-for path in sorted(out.glob("*.json")):
-    if path.name == "vllm-1.json" or not path.name[0].isalnum():
-        continue
-    try:
-        record = json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError):
-        continue
-    if not isinstance(record, dict) or "rates" not in record:
-        continue
-    medians = []
-    for row in record["rates"]:
-        theirs = vllm.get(row["rate"])
-        if theirs is None:
-            continue
-        diffs = sorted(a - b for a, b in zip(row["requests"]["ttft_ms"], theirs)
-                       if a is not None and b is not None)
-        if not diffs:
-            continue
-        medians.append(statistics.median(diffs))
-        ok = [b for b in theirs if b is not None]
-        print(f"| {path.stem} | {row['rate']:g} | {len(diffs)} | {medians[-1]:+.2f} | "
-              f"{diffs[len(diffs) // 10]:+.2f} | {diffs[len(diffs) * 9 // 10]:+.2f} | "
-              f"{statistics.median(ok):.1f} |")
-    if medians:
-        print(f"| {path.stem} | all | | **{statistics.median(medians):+.2f}** (median over rates) | | | |")
-EOF
+# The request-by-request table of this call (a): benchmarks/gpu/tax_summary.py, which also joins
+# several calls' folders and 1P1D's first token (see the results README for the full command).
+if [[ -f $out/vllm-1.json && -f $out/colocated-1.json ]]; then
+  python3 "$here/tax_summary.py" --runs "$out" --out "$out/summary.json"
+fi

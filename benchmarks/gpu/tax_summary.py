@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pdserve.bench.arms import TTFT_MS, attainment  # noqa: E402
+from pdserve.bench.grid_summary import request_deltas  # noqa: E402
 
 TPOT_TARGETS_MS = (8.0, 10.0, 15.0, 20.0)
 GOAL = 0.9  # the share of requests that must meet both targets
@@ -33,13 +34,12 @@ GOAL = 0.9  # the share of requests that must meet both targets
 
 def paired(arm: dict, reference: dict) -> list[dict]:
     """Per common rate, the request-by-request TTFT differences (arm minus reference)."""
-    theirs = {row["rate"]: row["requests"]["ttft_ms"] for row in reference["rates"]}
+    theirs = {row["rate"]: row for row in reference["rates"]}
     rows = []
     for row in arm["rates"]:
         if row["rate"] not in theirs:
             continue
-        diffs = sorted(a - b for a, b in zip(row["requests"]["ttft_ms"], theirs[row["rate"]])
-                       if a is not None and b is not None)
+        diffs = sorted(request_deltas(row, theirs[row["rate"]]))
         if diffs:
             rows.append({"rate": row["rate"], "requests": len(diffs),
                          "median_ms": round(statistics.median(diffs), 3),
