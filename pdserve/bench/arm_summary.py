@@ -64,8 +64,11 @@ def summarize(results: Path, plots: bool = True) -> int:
               f"medians): {overhead:+.1f} ms ({pairs})")
     (results / "summary.json").write_text(json.dumps(summary, indent=1))
     if plots:
-        from pdserve.bench.plots import plot_attainment_grid  # matplotlib, only when plotting
-
+        try:
+            from pdserve.bench.plots import plot_attainment_grid  # matplotlib, only when plotting
+        except ImportError as exc:  # a GPU host's bundle may lack it: `summarize` here plots later
+            print(f"no plots ({exc})")
+            return 0
         plot_attainment_grid(grid_summary.attainment_panels(runs), results / "attainment.png",
                              title="Attainment (TTFT and TPOT) against rate per GPU",
                              arms=sorted({run.arm for run in runs}, key=grid_summary.arm_order))
