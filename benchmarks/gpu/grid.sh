@@ -3,9 +3,10 @@
 #   benchmarks/gpu/grid.sh MODEL_DIR SLICE...
 #   SLICE: WORKLOAD[+WORKLOAD...]:ARM[,ARM...]      e.g. isl8k+isl16k:1P1D
 #     WORKLOAD: isl2k (TTFT <= 500 ms), isl8k, isl16k, mooncake (TTFT <= 2 s): pdserve.bench.grid
-#     ARM: 1P1D (KV over NCCL), 1P1D-ipc (CUDA IPC), 1P1D-adaptive (`pdserve serve --adaptive`,
-#          routing against the first workload's TTFT and TPOT 10 ms), colocated-N, vllm-N,
-#          adaptive-N (a name kept for an N-engine mode pdserve has not yet), any xPyD; `,` runs
+#     ARM: 1P1D (KV over NCCL), 1P1D-ipc (CUDA IPC), 1P1D-adaptive[-Tms] (`pdserve serve
+#          --adaptive`, routing against the first workload's TTFT and TPOT T, default 10 ms),
+#          colocated-N, vllm-N (one vLLM is reached directly, two or more behind the round-robin
+#          proxy), any xPyD; `,` runs
 #          arms one after another, `/` side by side on disjoint GPUs (isl2k:colocated-1/vllm-1)
 #   Each arm starts once and sweeps each of the slice's workloads in turn (a bisection on its
 #   rate lattice, tightest TPOT target first; benchmarks/gpu/proof.py run). Slices run in order.

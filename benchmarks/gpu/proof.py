@@ -10,10 +10,10 @@ same GPUs and against plain vLLM engines behind round robin, on one host, worklo
     python benchmarks/gpu/proof.py merge a/colocated.json c/colocated.json --out DIR/colocated.json
 
 Arms (pdserve.bench.arms): `xPyD` (pdserve, x prefill + y decode engines, KV over NCCL;
-`xPyD-ipc` by CUDA IPC, `xPyD-grpc` over gRPC; `-adaptive` after either: `pdserve serve
---adaptive`), `colocated-N` (pdserve, N colocated engines), `adaptive-N` (a name kept for an
-N-engine adaptive mode pdserve has not yet), `vllm-N` (N plain vLLM servers behind
-pdserve.bench.rr_proxy); issue 9's names stay: `disagg` = 1P1D, `colocated` = colocated-2,
+`xPyD-ipc` by CUDA IPC, `xPyD-grpc` over gRPC; `-adaptive[-Tms]` after either: `pdserve serve
+--adaptive`, routing against TPOT T, default 10), `colocated-N` (pdserve, N colocated engines),
+`vllm-N` (N plain vLLM servers, behind pdserve.bench.rr_proxy from two on; one is reached
+directly); issue 9's names stay: `disagg` = 1P1D, `colocated` = colocated-2,
 `vllm` = vllm-2. An arm uses the first GPUs of CUDA_VISIBLE_DEVICES (or `--gpus`). With
 PROOF_STEP_TRACE=DIR a pdserve arm's engines write their step traces to DIR/ARM-steps/.
 
@@ -118,6 +118,8 @@ def start_arm(spec: ArmSpec, model: str, logs: Path, mock: bool, gpus: list[str]
             backends.append(f"http://127.0.0.1:{port}")
         for server in processes:  # the engines start side by side, as a pdserve arm's do
             wait_healthy(server, start_timeout_s)
+        if len(backends) == 1:  # one `vllm serve`, reached as its own clients would: no proxy hop
+            return Arm(name, backends[0], processes, commands, pdserve=False)
         port = free_port()
         proxy = proxy_command(port, backends)
         processes.append(start_process(proxy, port, logs / "proxy.log", 60))
@@ -317,9 +319,9 @@ def run_arm(args: argparse.Namespace) -> int:
     path = out / f"{args.record}.json"
     save = lambda: path.write_text(json.dumps(with_issue9_keys(record)))  # noqa: E731
     # An adaptive arm routes against one pair of targets for its whole start: its first workload's
-    # TTFT and the TPOT the bench client's own goodput line uses (10 ms).
+    # TTFT and the TPOT its name gives (`1P1D-adaptive-20ms`; 10 ms by default).
     if spec.adaptive:
-        record["slo_ms"] = [WORKLOADS[args.workloads[0]].ttft_ms, TPOT_TARGETS_MS[1]]
+        record["slo_ms"] = [WORKLOADS[args.workloads[0]].ttft_ms, spec.route_tpot_ms]
     arm = start_arm(spec, args.model, raw, args.mock, gpus, max(60.0, deadline - time.monotonic()),
                     record.get("slo_ms"))
     record.update(start_s=time.monotonic() - started, commands=arm.commands)
@@ -387,7 +389,7 @@ def _workload_name(text: str) -> str:
 
 def _add_run(commands) -> None:
     run = commands.add_parser("run", help="serve one arm, sweep its rates workload by workload (GPU host)")
-    run.add_argument("--arm", required=True, help="xPyD[-ipc|-grpc], colocated-N, vllm-N, adaptive-N "
+    run.add_argument("--arm", required=True, help="xPyD[-ipc|-grpc][-adaptive[-Tms]], colocated-N, vllm-N "
                      "(or disagg/colocated/vllm)")
     run.add_argument("--workloads", type=_workload_name, nargs="+", default=["isl2k"],
                      help=f"in order, each sweep against the one started arm ({', '.join(WORKLOADS)})")

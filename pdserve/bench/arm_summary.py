@@ -132,7 +132,7 @@ def load_arms(results: Path) -> dict[str, dict]:
                 arms[record["arm"]] = record
             else:  # started but never measured (e.g. out of its time budget)
                 print(f"{record['arm']}: no rate measured ({path.name}); left out of the table")
-    order = {"disagg": 0, "adaptive": 1, "colocated": 2, "vllm": 3}
+    order = {"disagg": 0, "colocated": 1, "vllm": 2}
     return dict(sorted(arms.items(), key=lambda item: (
         order[arm_spec(item[0]).kind], -arm_spec(item[0]).prefill, arm_spec(item[0]).num_gpus)))
 

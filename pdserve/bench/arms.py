@@ -3,11 +3,10 @@
 An arm is a deployment on one host: `xPyD` (pdserve, x prefill + y decode engines, KV over NCCL;
 `xPyD-grpc` over gRPC, `xPyD-ipc` by CUDA IPC copies between engines of one node; `-adaptive`
 after either: `pdserve serve --adaptive`, decode engines also prefill while the prefill pool is
-behind, routing against the SLO targets), `colocated-N` (pdserve, N colocated engines),
-`adaptive-N` (`pdserve serve --mode adaptive --replicas N`: a name kept for a mode of N engines
-that pdserve does not have yet; records and tables take it as soon as it serves) or `vllm-N` (N
-plain vLLM servers behind
-pdserve.bench.rr_proxy); issue 9's two-GPU names stay (`disagg` = 1P1D, `colocated` =
+behind, routing against the SLO targets, TPOT 10 ms unless named `-adaptive-20ms`),
+`colocated-N` (pdserve, N colocated engines) or `vllm-N` (N plain vLLM servers, behind
+pdserve.bench.rr_proxy from two on; one is reached directly, as a client of `vllm serve` would);
+issue 9's two-GPU names stay (`disagg` = 1P1D, `colocated` =
 colocated-2, `vllm` = vllm-2). Every arm serves with the same engine settings (`ENGINE`). This
 module names arms (`arm_spec`), builds the commands that serve them (`serve_command`,
 `vllm_command`, `proxy_command`), scores a rate's requests (`per_request`, `attainment`) and reads
@@ -67,12 +66,15 @@ LABELS = {
 }
 LEGACY_NAMES = {"disagg": "1P1D", "colocated": "colocated-2", "vllm": "vllm-2"}
 _ARM_NAME = re.compile(
-    r"^(?:(\d+)P(\d+)D(?:-(grpc|nccl|ipc|cuda_ipc))?(-adaptive)?|(colocated|vllm|adaptive)-(\d+))$")
+    r"^(?:(\d+)P(\d+)D(?:-(grpc|nccl|ipc|cuda_ipc))?(-adaptive(?:-(\d+)ms)?)?|(colocated|vllm)-(\d+))$")
 _TRANSPORTS = {None: "nccl", "nccl": "nccl", "grpc": "grpc", "ipc": "cuda_ipc", "cuda_ipc": "cuda_ipc"}
 _TRANSPORT_LABELS = {"nccl": "NCCL", "grpc": "gRPC", "cuda_ipc": "CUDA IPC"}
 _TRANSPORT_SUFFIXES = {"nccl": "", "grpc": "-grpc", "cuda_ipc": "-ipc"}
 # Arm kinds served by pdserve (the candidates for a table's best pdserve arm).
-PDSERVE_KINDS = ("disagg", "adaptive", "colocated")
+PDSERVE_KINDS = ("disagg", "colocated")
+# The TPOT target an adaptive arm routes against when its name gives none (its TTFT target is
+# its first workload's).
+ADAPTIVE_TPOT_MS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +82,13 @@ class ArmSpec:
     """What an arm name means: its kind and engine counts."""
 
     name: str
-    kind: str  # "disagg" | "adaptive" | "colocated" | "vllm"
+    kind: str  # "disagg" | "colocated" | "vllm"
     prefill: int = 0
     decode: int = 0
     engines: int = 0
     transport: str = "nccl"  # disaggregated arms: how the KV moves (`2P2D-grpc`, `1P1D-ipc`)
     adaptive: bool = False  # disaggregated arms: decode engines also prefill (`1P1D-adaptive`)
+    route_tpot_ms: float = ADAPTIVE_TPOT_MS  # the TPOT an adaptive arm routes against
 
     @property
     def num_gpus(self) -> int:
@@ -98,8 +101,8 @@ class ArmSpec:
         if self.kind == "disagg":
             how = _TRANSPORT_LABELS[self.transport] + (", adaptive" if self.adaptive else "")
             return f"pdserve {self.prefill}P{self.decode}D ({how})"
-        if self.kind in ("colocated", "adaptive"):
-            return f"pdserve {self.kind} x{self.engines}"
+        if self.kind == "colocated":
+            return f"pdserve colocated x{self.engines}"
         return f"{self.engines} x vLLM + round robin"
 
     @property
@@ -111,23 +114,30 @@ class ArmSpec:
         """One name per deployment, for tables that join records of several sessions: issue 9's
         names as their xPyD / colocated-N / vllm-N, `-nccl` dropped, `-cuda_ipc` as `-ipc`."""
         if self.kind == "disagg":
-            suffix = _TRANSPORT_SUFFIXES[self.transport] + ("-adaptive" if self.adaptive else "")
+            suffix = _TRANSPORT_SUFFIXES[self.transport] + (self._adaptive_suffix if self.adaptive else "")
             return f"{self.prefill}P{self.decode}D{suffix}"
         return f"{self.kind}-{self.engines}"
 
+    @property
+    def _adaptive_suffix(self) -> str:
+        if self.route_tpot_ms == ADAPTIVE_TPOT_MS:
+            return "-adaptive"
+        return f"-adaptive-{self.route_tpot_ms:g}ms"
+
 
 def arm_spec(name: str) -> ArmSpec:
-    """Parses an arm name (`2P2D`, `1P1D-ipc`, `colocated-4`, `vllm-4`, `adaptive-2`, or issue 9's
-    `disagg`/...)."""
+    """Parses an arm name (`2P2D`, `1P1D-ipc`, `1P1D-adaptive-20ms`, `colocated-4`, `vllm-4`, or
+    issue 9's `disagg`/...)."""
     match = _ARM_NAME.match(LEGACY_NAMES.get(name, name))
     if match is None:
         raise argparse.ArgumentTypeError(
-            f"arm {name!r}: expected xPyD (or xPyD-grpc, xPyD-ipc; then -adaptive), colocated-N, vllm-N, "
-            f"adaptive-N, or one of {', '.join(LEGACY_NAMES)}")
-    prefill, decode, transport, adaptive, kind, engines = match.groups()
+            f"arm {name!r}: expected xPyD (or xPyD-grpc, xPyD-ipc; then -adaptive[-Tms]), "
+            f"colocated-N, vllm-N, or one of {', '.join(LEGACY_NAMES)}")
+    prefill, decode, transport, adaptive, tpot, kind, engines = match.groups()
     if kind is None:
         spec = ArmSpec(name, "disagg", int(prefill), int(decode), transport=_TRANSPORTS[transport],
-                       adaptive=bool(adaptive))
+                       adaptive=bool(adaptive),
+                       route_tpot_ms=float(tpot) if tpot else ADAPTIVE_TPOT_MS)
     else:
         spec = ArmSpec(name, kind, engines=int(engines))
     if spec.num_gpus < 1 or (spec.kind == "disagg" and min(spec.prefill, spec.decode) < 1):
@@ -183,7 +193,7 @@ def vllm_command(model: str, port: int) -> list[str]:
 def serve_command(spec: ArmSpec, model: str, mock: bool, gpus: list[str], port: int,
                   step_trace_root: Path | str | None = None,
                   slo_ms: tuple[float, float] | None = None) -> tuple[list[str], dict[str, str]]:
-    """`pdserve serve` of a pdserve arm (xPyD, colocated-N or adaptive-N) on the first
+    """`pdserve serve` of a pdserve arm (xPyD or colocated-N) on the first
     `spec.num_gpus` of `gpus` (CUDA device ids), and the environment it needs. With
     `step_trace_root` every engine writes its steps to ROOT/ARM-steps/ (for the record). An
     adaptive xPyD routes against `slo_ms` (TTFT, TPOT), as `pdserve bench tune` serves one."""
@@ -193,8 +203,8 @@ def serve_command(spec: ArmSpec, model: str, mock: bool, gpus: list[str], port: 
         if spec.adaptive:
             mode += ["--adaptive", *(["--ttft-ms", f"{slo_ms[0]:g}", "--tpot-ms", f"{slo_ms[1]:g}"]
                                      if slo_ms else [])]
-    elif spec.kind in ("colocated", "adaptive"):
-        mode = ["--mode", spec.kind, "--replicas", str(spec.engines)]
+    elif spec.kind == "colocated":
+        mode = ["--mode", "colocated", "--replicas", str(spec.engines)]
     else:
         raise ValueError(f"arm {spec.name}: plain vLLM engines are served by vllm_command")
     args = [*pdserve_args(model, mock), *mode]

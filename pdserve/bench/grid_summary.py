@@ -30,7 +30,7 @@ from pdserve.bench.grid import WORKLOADS, bracket, passes
 
 SCHEMA = 2  # records with a sweep per workload (proof.py since issue 31); 1: issue 9's
 LEGACY_WORKLOAD = "isl2k"
-_KIND_ORDER = {"disagg": 0, "adaptive": 1, "colocated": 2, "vllm": 3}
+_KIND_ORDER = {"disagg": 0, "colocated": 1, "vllm": 2}
 
 
 @dataclass(frozen=True, slots=True)

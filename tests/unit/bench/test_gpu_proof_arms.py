@@ -25,7 +25,7 @@ def test_arm_names_parse_to_engine_counts(name, kind, prefill, decode, gpus):
 @pytest.mark.parametrize("name", ["0P2D", "2P0D", "colocated-0", "2P2", "tp2", "", "2P2D-rdma",
                                   "colocated-2-grpc", "adaptive", "vllm-2-ipc"])
 def test_bad_arm_names_are_refused_with_the_forms_allowed(name):
-    with pytest.raises(argparse.ArgumentTypeError, match=r"xPyD-ipc; then -adaptive\), colocated-N, "
+    with pytest.raises(argparse.ArgumentTypeError, match=r"xPyD-ipc; then -adaptive\[-Tms\]\), "
                        if name not in ("0P2D", "2P0D", "colocated-0") else "at least one"):
         arms.arm_spec(name)
 
@@ -109,10 +109,15 @@ def test_a_cuda_ipc_arm_and_an_adaptive_arm_are_served_as_their_names_say():
     assert arms.arm_spec("1P1D-cuda_ipc").canonical == "1P1D-ipc"
     command, env = arms.serve_command(ipc, "model", False, ["0", "1"], 8000)
     assert command[command.index("--transport") + 1] == "cuda_ipc" and env == {"CUDA_VISIBLE_DEVICES": "0,1"}
-    adaptive = arms.arm_spec("adaptive-2")
-    assert (adaptive.kind, adaptive.num_gpus, adaptive.pdserve) == ("adaptive", 2, True)
-    command, _ = arms.serve_command(adaptive, "model", False, ["0", "1"], 8000)
-    assert command[command.index("--mode"):][:4] == ["--mode", "adaptive", "--replicas", "2"]
+    adaptive = arms.arm_spec("1P1D-adaptive-20ms")
+    assert (adaptive.kind, adaptive.num_gpus, adaptive.adaptive, adaptive.route_tpot_ms) == (
+        "disagg", 2, True, 20.0)
+    assert adaptive.canonical == "1P1D-adaptive-20ms"
+    assert arms.arm_spec("1P1D-adaptive").route_tpot_ms == arms.ADAPTIVE_TPOT_MS
+    command, _ = arms.serve_command(adaptive, "model", False, ["0", "1"], 8000, slo_ms=(2000, 20))
+    assert command[command.index("--adaptive"):][:5] == ["--adaptive", "--ttft-ms", "2000", "--tpot-ms", "20"]
+    with pytest.raises(argparse.ArgumentTypeError):
+        arms.arm_spec("adaptive-2")  # no such mode: adaptive is a disaggregated deployment's flag
     assert [arms.arm_spec(n).canonical for n in ("disagg", "colocated", "vllm", "1P1D-nccl")] == [
         "1P1D", "colocated-2", "vllm-2", "1P1D"]
 
