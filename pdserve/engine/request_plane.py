@@ -64,6 +64,7 @@ SUBMIT, ABORT = 0, 1
 NONCE_BYTES = 16
 PROOF_BYTES = 32  # HMAC-SHA256
 MAX_FRAME = 256 << 20  # a 256k-token prompt is ~1.3 MB; anything near this is not ours
+MAX_HELLO = 1024  # before a peer has proven the token, nothing larger is read (a hello is ~100 B)
 HANDSHAKE_TIMEOUT_S = 5.0
 _HEADER = struct.Struct("!I")
 
@@ -120,10 +121,10 @@ def _frame(body: bytes) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+async def _read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> bytes:
     """The next frame's body; raises `asyncio.IncompleteReadError` at the end of the stream."""
     (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    if size > MAX_FRAME:
+    if size > limit:
         raise PlaneError(f"request plane frame of {size} bytes refused")
     return await reader.readexactly(size)
 
@@ -229,7 +230,7 @@ class PlaneServer:
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
         nonce_e = secrets.token_bytes(NONCE_BYTES)
         writer.write(_frame(nonce_e))
-        hello = await _read_frame(reader)
+        hello = await _read_frame(reader, MAX_HELLO)
         head = 1 + NONCE_BYTES + PROOF_BYTES
         if len(hello) <= head or hello[0] != WIRE_VERSION:
             raise PlaneError(f"wire version {hello[:1].hex() or 'none'}, this engine speaks "
@@ -298,11 +299,11 @@ class PlaneLink:
     async def _handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                          token: str, subscriber: str) -> None:
         try:
-            nonce_e = await _read_frame(reader)
+            nonce_e = await _read_frame(reader, MAX_HELLO)
             nonce_f, name = secrets.token_bytes(NONCE_BYTES), subscriber.encode()
             proof = _proof(token, b"frontend", nonce_e, nonce_f, name)
             writer.write(_frame(bytes([WIRE_VERSION]) + nonce_f + proof + name))
-            answer = await _read_frame(reader)
+            answer = await _read_frame(reader, MAX_HELLO)
         except asyncio.IncompleteReadError:
             raise PlaneError("the engine closed the request plane during the handshake "
                              "(a different cluster token or wire version)") from None

@@ -253,3 +253,13 @@ async def test_no_plane_without_a_cluster_token():
     info = await actor.start()
     assert PlaneEndpoint.of(info) is None
     await actor.shutdown()
+
+
+async def test_an_unproven_peer_cannot_make_the_engine_buffer_a_large_frame(engine):
+    actor, endpoint = engine
+    reader, writer = await asyncio.open_unix_connection(endpoint.unix_path)
+    await rp._read_frame(reader)  # the engine's nonce
+    writer.write(rp._HEADER.pack(200 << 20))  # announces a 200 MiB hello, sends nothing more
+    with pytest.raises(asyncio.IncompleteReadError):
+        await asyncio.wait_for(reader.readexactly(1), 2)  # refused at once, not after 200 MiB
+    writer.close()
