@@ -133,6 +133,21 @@ def _proof(token: str, role: bytes, nonce_e: bytes, nonce_f: bytes, subscriber: 
     return hmac.new(token.encode(), role + nonce_e + nonce_f + subscriber, hashlib.sha256).digest()
 
 
+def _socket_root() -> str | None:
+    """Where engines' unix sockets go: beside Ray's own, in this Ray session's `sockets/`
+    directory, so that an engine killed before it could remove its socket leaves it there and
+    not loose in /tmp; the system's temp directory outside Ray, or when that path would be too
+    long for a unix socket (108 bytes with the file's own name)."""
+    try:
+        import ray
+
+        session = ray._private.worker._global_node.get_session_dir_path()  # noqa: SLF001
+    except Exception:  # noqa: BLE001 - no Ray node in this process (tests)
+        return None
+    root = os.path.join(session, "sockets")
+    return root if os.path.isdir(root) and len(root) < 60 else None
+
+
 # ------------------------------------------------------------------------------ endpoints
 @dataclass(frozen=True, slots=True)
 class PlaneEndpoint:
@@ -189,11 +204,11 @@ class PlaneServer:
         self._replica_id = replica_id
         self._servers: list[asyncio.AbstractServer] = []
         self._dir: str | None = None
-        self._links: set[asyncio.Task[None]] = set()
+        self._links: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
 
     async def start(self, tcp_host: str) -> PlaneEndpoint:
         """Listen on a fresh unix socket and on `tcp_host` (an ephemeral port)."""
-        self._dir = tempfile.mkdtemp(prefix="pdserve-plane-")  # mode 0700: this user only
+        self._dir = tempfile.mkdtemp(prefix="pdserve-plane-", dir=_socket_root())  # mode 0700
         path = os.path.join(self._dir, "engine.sock")
         self._servers.append(await asyncio.start_unix_server(self._accept, path))
         tcp = await asyncio.start_server(self._accept, tcp_host or "127.0.0.1", 0)
@@ -203,18 +218,24 @@ class PlaneServer:
         return PlaneEndpoint(path, host, port)
 
     async def close(self) -> None:
+        """Stop listening and end every link: each one's connection is closed, so its loop
+        ends as for a frontend that went away (cancelled only if that takes over 5 s)."""
         for server in self._servers:
             server.close()
-        for task in list(self._links):
-            task.cancel()
-        await asyncio.gather(*self._links, return_exceptions=True)
+        for writer in list(self._links.values()):
+            writer.close()
+        if self._links:
+            _, late = await asyncio.wait(list(self._links), timeout=HANDSHAKE_TIMEOUT_S)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._links.add(task)
+        self._links[task] = writer
         try:
             try:
                 subscriber = await asyncio.wait_for(self._handshake(reader, writer),
@@ -224,7 +245,7 @@ class PlaneServer:
                 return
             await self._serve(subscriber, reader, writer)
         finally:
-            self._links.discard(task)
+            self._links.pop(task, None)
             writer.close()
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
