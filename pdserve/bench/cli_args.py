@@ -464,9 +464,9 @@ def _validate_targets(args: argparse.Namespace, parser: argparse.ArgumentParser)
 def slo_serve_args(args: argparse.Namespace, serve_args: list[str]) -> list[str]:
     """An adaptive deployment routes against the SLO: the goodput targets, unless --serve-args
     gave the service its own."""
-    targets = {key: ms for key, _, ms in (t.partition(":") for t in args.goodput)}
-    return [arg for key, flag in (("ttft", "--ttft-ms"), ("tpot", "--tpot-ms"))
-            if flag not in serve_args and key in targets for arg in (flag, targets[key])]
+    slo = SloTargets.parse(args.goodput)
+    return [arg for flag, ms in (("--ttft-ms", slo.ttft_ms), ("--tpot-ms", slo.tpot_ms))
+            if flag not in serve_args and ms is not None for arg in (flag, f"{ms:g}")]
 
 
 def passthrough_serve_args(args: argparse.Namespace) -> list[str]:

@@ -127,14 +127,8 @@ class EngineActor:
         """`subscriber`'s request-plane link ended. Unless a newer link or stream took its
         queue over, nobody will read its requests' outputs: abort them."""
         stream = self._streams.get(subscriber.partition("@")[0])
-        if stream is None or stream.queue is not queue:
-            return
-        left = [rid for rid, owner in self._owners.items() if owner == subscriber]
-        if left:
-            logger.info("engine %s: the request plane link of %s ended; aborting its %d "
-                        "request(s)", self._spec.replica_id, subscriber, len(left))
-        for rid in left:
-            asyncio.get_running_loop().create_task(self.abort(rid))
+        if stream is not None and stream.queue is queue:
+            self._abort_requests_of(subscriber, f"the request plane link of {subscriber} ended")
 
     async def _run(self, request: GenerateRequest, arrived: float) -> None:
         rid = request.request_id
@@ -191,13 +185,17 @@ class EngineActor:
         self._streams[name] = _Stream(subscriber, asyncio.Queue())
         if stream is not None:
             stream.queue.put_nowait(None)
-            orphans = [rid for rid, owner in self._owners.items() if owner == stream.subscriber]
-            if orphans:
-                logger.info("engine %s: frontend %s restarted; aborting %d request(s) its "
-                            "predecessor left", self._spec.replica_id, name, len(orphans))
-            for rid in orphans:
-                asyncio.get_running_loop().create_task(self.abort(rid))
+            self._abort_requests_of(stream.subscriber, f"frontend {name} restarted")
         return self._streams[name]
+
+    def _abort_requests_of(self, subscriber: str, why: str) -> None:
+        """Abort every request `subscriber` submitted here: nobody reads their outputs any more."""
+        orphans = [rid for rid, owner in self._owners.items() if owner == subscriber]
+        if orphans:
+            logger.info("engine %s: %s; aborting %d request(s) it left", self._spec.replica_id,
+                        why, len(orphans))
+        for rid in orphans:
+            asyncio.get_running_loop().create_task(self.abort(rid))
 
     def _emit(self, output: EngineOutput) -> None:
         subscriber = self._owners.get(output.request_id, "")

@@ -55,7 +55,7 @@ class RayEngineChannel:
         self._replica = replica
         self._on_death = on_death
         endpoint = PlaneEndpoint.of(replica.info) if plane_token else None
-        self._plane = PlaneAccess(endpoint, plane_token) if endpoint and plane_token else None
+        self._plane = PlaneAccess(endpoint, plane_token) if endpoint else None
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         replica = self._replica

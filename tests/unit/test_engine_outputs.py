@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 
 import pytest
 
 from pdserve.config.schema import PdserveConfig
 from pdserve.engine.actor import EngineActor, EngineSpec
 from pdserve.engine.types import GenerateDelta, GenerateFailure, GenerateRequest, SamplingOptions
-from pdserve.serving.engine_outputs import EngineOutputs, StreamLost
+from pdserve.serving.engine_outputs import EngineOutputs, PlaneAccess, StreamLost
 
 pytestmark = pytest.mark.unit
 
@@ -29,6 +30,7 @@ class InProcessHandle:
     def __init__(self, actor: EngineActor) -> None:
         self.actor = actor
         self.outputs = self
+        self.submit = SimpleNamespace(remote=actor.submit)  # `handle.submit.remote(...)`
         self.opened = 0
         self._broken = asyncio.Event()
 
@@ -85,11 +87,12 @@ async def served():
     await actor.shutdown()
 
 
-async def run(actor: EngineActor, outputs: EngineOutputs, req: GenerateRequest) -> list:
-    """One request as `RayBackend._stream` runs it: register, submit, read until the end."""
-    outputs.open(req.request_id)
+async def run(outputs: EngineOutputs, req: GenerateRequest, plane: PlaneAccess | None = None) -> list:
+    """One leg as `RayEngineChannel.stream` runs it: register, submit (through the engine's
+    request plane when `plane` is given, else its Ray handle), read until the end."""
+    outputs.open(req.request_id, plane)
     try:
-        await actor.submit(req, outputs.subscriber)
+        await outputs.submit(req)
         received = []
         while True:
             output = await outputs.next(req.request_id)
@@ -103,7 +106,7 @@ async def run(actor: EngineActor, outputs: EngineOutputs, req: GenerateRequest) 
 async def test_interleaved_requests_each_get_their_own_deltas_in_order(served):
     actor, handle, outputs = served
     requests = [request(f"r{i}", 5 + 7 * i, prompt=(i, 9)) for i in range(8)]
-    results = await asyncio.gather(*(run(actor, outputs, r) for r in requests))
+    results = await asyncio.gather(*(run(outputs, r) for r in requests))
     reference = engine_actor()
     await reference.start()
     for req, deltas in zip(requests, results, strict=True):
@@ -137,7 +140,7 @@ async def test_batches_carry_every_delta_ready_since_the_previous_one():
 
 async def test_an_abort_ends_that_request_only(served):
     actor, _, outputs = served
-    long = [asyncio.create_task(run(actor, outputs, request(f"keep{i}", 60))) for i in range(3)]
+    long = [asyncio.create_task(run(outputs, request(f"keep{i}", 60))) for i in range(3)]
     outputs.open("gone")
     await actor.submit(request("gone", 1000), outputs.subscriber)
     assert isinstance(await outputs.next("gone"), GenerateDelta)
@@ -152,7 +155,7 @@ async def test_an_abort_ends_that_request_only(served):
 
 async def test_a_lost_stream_fails_every_open_request_at_once(served):
     actor, handle, outputs = served
-    tasks = [asyncio.create_task(run(actor, outputs, request(f"r{i}", 10_000))) for i in range(4)]
+    tasks = [asyncio.create_task(run(outputs, request(f"r{i}", 10_000))) for i in range(4)]
     while len(actor._running) < 4:
         await asyncio.sleep(0.01)
     handle.fail()
@@ -164,11 +167,11 @@ async def test_a_lost_stream_fails_every_open_request_at_once(served):
 
 async def test_after_a_lost_stream_the_next_request_opens_a_new_one(served):
     actor, handle, outputs = served
-    await run(actor, outputs, request("before", 2))
+    await run(outputs, request("before", 2))
     handle.fail()
     await asyncio.sleep(0.05)
     handle._broken = asyncio.Event()  # the actor is reachable again
-    deltas = await asyncio.wait_for(run(actor, outputs, request("after", 3)), 5)
+    deltas = await asyncio.wait_for(run(outputs, request("after", 3)), 5)
     assert [d.num_output_tokens for d in deltas] == [1, 2, 3]
     assert handle.opened == 2
 
@@ -184,8 +187,8 @@ async def test_an_engine_error_fails_only_that_request(served):
             yield delta
 
     actor._engine.generate = generate
-    bad, good = await asyncio.gather(run(actor, outputs, request("bad")),
-                                     run(actor, outputs, request("good", 5)))
+    bad, good = await asyncio.gather(run(outputs, request("bad")),
+                                     run(outputs, request("good", 5)))
     assert len(bad) == 1 and isinstance(bad[0], GenerateFailure)
     assert "engine broke" in bad[0].error
     assert [d.num_output_tokens for d in good] == [1, 2, 3, 4, 5]
@@ -198,7 +201,7 @@ async def test_a_stream_that_ends_unfinished_is_reported(served):
         yield GenerateDelta(req.request_id, "x", (1,), 3, 1)  # then stops, unfinished
 
     actor._engine.generate = generate
-    received = await run(actor, outputs, request("cut"))
+    received = await run(outputs, request("cut"))
     assert isinstance(received[-1], GenerateFailure) and received[-1].error == ""
 
 
@@ -225,7 +228,7 @@ async def test_the_actor_reports_each_requests_engine_side_first_output_once(ser
     actor, _, outputs = served
     before = await actor.stats(outputs.subscriber)  # drains whatever came before
     assert before.first_output_seconds == ()
-    await asyncio.gather(*(run(actor, outputs, request(f"f{i}", 4)) for i in range(3)))
+    await asyncio.gather(*(run(outputs, request(f"f{i}", 4)) for i in range(3)))
     assert (await actor.stats("@controller")).first_output_seconds == ()  # not a frontend's
     stats = await actor.stats(outputs.subscriber)
     assert len(stats.first_output_seconds) == 3 and all(s > 0 for s in stats.first_output_seconds)
@@ -274,7 +277,7 @@ async def test_two_frontends_each_read_their_own_requests():
     handle = InProcessHandle(actor)
     a = EngineOutputs("colocated-0", handle, "ingress-0@one")
     b = EngineOutputs("colocated-0", handle, "ingress-1@one")
-    results = await asyncio.gather(run(actor, a, request("ra", 7)), run(actor, b, request("rb", 9)))
+    results = await asyncio.gather(run(a, request("ra", 7)), run(b, request("rb", 9)))
     assert [d.request_id for d in results[0]] == ["ra"] * 7
     assert [d.request_id for d in results[1]] == ["rb"] * 9
     assert handle.opened == 2
@@ -289,8 +292,8 @@ async def test_each_frontend_counts_its_own_requests_first_outputs():
     handle = InProcessHandle(actor)
     a = EngineOutputs("colocated-0", handle, "ingress-0@one")
     b = EngineOutputs("colocated-0", handle, "ingress-1@one")
-    await asyncio.gather(*(run(actor, a, request(f"a{i}", 3)) for i in range(2)),
-                         *(run(actor, b, request(f"b{i}", 3)) for i in range(3)))
+    await asyncio.gather(*(run(a, request(f"a{i}", 3)) for i in range(2)),
+                         *(run(b, request(f"b{i}", 3)) for i in range(3)))
     assert len((await actor.stats("ingress-1@one")).first_output_seconds) == 3
     assert len((await actor.stats("ingress-0@one")).first_output_seconds) == 2
     for outputs in (a, b):
@@ -309,10 +312,10 @@ async def test_a_restarted_frontend_aborts_what_its_predecessor_left():
     dead.open("orphan")
     await actor.submit(request("orphan", 100_000), dead.subscriber)
     assert isinstance(await dead.next("orphan"), GenerateDelta)
-    kept = asyncio.create_task(run(actor, other, request("kept", 50)))
+    kept = asyncio.create_task(run(other, request("kept", 50)))
     await dead.aclose()  # the process is gone: nobody reads its stream
     successor = EngineOutputs("colocated-0", handle, "ingress-0@new")
-    fresh = await run(actor, successor, request("fresh", 5))
+    fresh = await run(successor, request("fresh", 5))
     assert [d.num_output_tokens for d in fresh] == [1, 2, 3, 4, 5]
     for _ in range(100):
         if "orphan" not in actor._running:

@@ -17,6 +17,7 @@ from pdserve.engine.types import (
     GenerateDelta, GenerateFailure, GenerateRequest, KVPull, Leg, SamplingOptions, TokenLogprob,
 )
 from pdserve.serving.engine_outputs import EngineOutputs, PlaneAccess, StreamLost
+from tests.unit.test_engine_outputs import InProcessHandle, run
 
 pytestmark = pytest.mark.unit
 
@@ -79,21 +80,6 @@ async def engine():
     info = await actor.start()
     yield actor, PlaneEndpoint.of(info)
     await actor.shutdown()
-
-
-async def run(outputs: EngineOutputs, req: GenerateRequest, plane: PlaneAccess | None) -> list:
-    """One leg as `RayEngineChannel.stream` runs it."""
-    outputs.open(req.request_id, plane)
-    try:
-        await outputs.submit(req)
-        received = []
-        while True:
-            output = await outputs.next(req.request_id)
-            received.append(output)
-            if not isinstance(output, GenerateDelta) or output.finished:
-                return received
-    finally:
-        outputs.close(req.request_id)
 
 
 async def test_an_engine_serves_a_frontend_through_its_plane(engine):
@@ -187,12 +173,9 @@ async def test_an_engine_that_stops_ends_its_links(engine):
 
 
 async def test_without_a_reachable_plane_the_frontend_uses_ray():
-    from tests.unit.test_engine_outputs import InProcessHandle
-
     actor = engine_actor()
     await actor.start()
     handle = InProcessHandle(actor)
-    handle.submit = _Remote(actor.submit)
     outputs = EngineOutputs("colocated-0", handle)
     nowhere = PlaneAccess(PlaneEndpoint("/nonexistent/engine.sock", "127.0.0.1", 9), TOKEN)
     deltas = await asyncio.wait_for(run(outputs, request("r", 3), nowhere), 10)
@@ -200,11 +183,6 @@ async def test_without_a_reachable_plane_the_frontend_uses_ray():
     assert handle.opened == 1  # the Ray stream
     await outputs.aclose()
     await actor.shutdown()
-
-
-class _Remote:
-    def __init__(self, method) -> None:
-        self.remote = method
 
 
 # ------------------------------------------------------------------------------ handshake
