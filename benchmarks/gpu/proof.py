@@ -55,9 +55,10 @@ from pdserve.bench.arms import (  # noqa: E402
     pdserve_args, per_request, proxy_command, pulls_from_log, serve_command, vllm_command,
 )
 from pdserve.bench.grid import (  # noqa: E402
-    WORKLOADS, GridWorkload, RateLattice, assign_gpus, estimate_arm_s, next_index, parse_slice, probe_seconds,
+    WORKLOADS, GridWorkload, RateLattice, assign_gpus, estimate_arm_s, next_index, parse_slice, prior_knees,
+    probe_seconds,
 )
-from pdserve.bench.grid_summary import SCHEMA, merge_runs  # noqa: E402
+from pdserve.bench.grid_summary import SCHEMA, load_records, merge_runs  # noqa: E402
 from pdserve.testing.server import (  # noqa: E402
     RunningServer, free_port, spawn_process, start_process, wait_healthy)
 
@@ -211,15 +212,16 @@ def host_facts() -> dict:
     return facts
 
 
-def _next_rate(sweep: dict, lattice: RateLattice,
-               fixed: list[float] | None) -> tuple[float, int | None] | None:
-    """The sweep's next rate (and lattice index): the next of `fixed`, or the bisection's."""
+def _next_rate(sweep: dict, lattice: RateLattice, fixed: list[float] | None,
+               prior: dict[str, int] | None = None) -> tuple[float, int | None] | None:
+    """The sweep's next rate (and lattice index): the next of `fixed`, or the bisection's (sought
+    first at the `prior` knees, grid.next_index)."""
     rows = sweep["rates"]
     if fixed is not None:
         if rows and max(rows[-1]["attainment"].values()) < 0.5:  # past the knee for every target
             return None
         return (fixed[len(rows)], None) if len(rows) < len(fixed) else None
-    index = next_index({row["index"]: row["attainment"] for row in rows}, TARGET_KEYS, lattice)
+    index = next_index({row["index"]: row["attainment"] for row in rows}, TARGET_KEYS, lattice, prior)
     return None if index is None else (lattice.rate(index), index)
 
 
@@ -231,8 +233,11 @@ def sweep_workload(arm: Arm, spec: ArmSpec, args: argparse.Namespace, workload: 
     fixed = list(args.rates or RATES.get(args.arm) or []) or None
     sweep.update(method="rates" if fixed else "bisection",
                  lattice={"unit": lattice.unit, "steps_per_octave": lattice.steps_per_octave})
+    prior = prior_knees(earlier_sweeps(args.prior, spec, workload.name), TARGET_KEYS, lattice)
+    if prior and not fixed:
+        sweep["prior_knees"] = prior
     raw = args.out / f"{args.record}-raw"
-    while (step := _next_rate(sweep, lattice, fixed)) is not None:
+    while (step := _next_rate(sweep, lattice, fixed, prior)) is not None:
         rate, index = step
         prompts = workload.num_prompts(rate, args.arrival_s, args.min_prompts)
         max_probes = None if fixed else args.max_probes  # a list of rates given is run whole
@@ -258,6 +263,13 @@ def sweep_workload(arm: Arm, spec: ArmSpec, args: argparse.Namespace, workload: 
             sweep["stopped"] = f"rate {rate:g}: the arm stopped serving"
             return False
     return True
+
+
+def earlier_sweeps(folders: list[Path] | None, spec: ArmSpec, workload: str) -> list[dict]:
+    """The sweeps of `workload` in the records of this arm (by canonical name) in `folders`."""
+    return [sweep for folder in folders or [] for _, record in load_records(folder)
+            if arm_spec(record["arm"]).canonical == spec.canonical
+            for sweep in record.get("sweeps", []) if sweep["workload"] == workload]
 
 
 def _stop_reason(workload: GridWorkload, rate: float, prompts: int, probes: int, max_probes: int | None,
@@ -401,6 +413,9 @@ def _add_run(commands) -> None:
                      help="total req/s, each workload (default: a bisection; issue 9's names: their RATES)")
     run.add_argument("--steps-per-octave", type=int, default=4, help="the bisection's rate lattice")
     run.add_argument("--max-probes", type=int, default=8, help="rates per workload at most")
+    run.add_argument("--prior", type=Path, nargs="+",
+                     help="folders of earlier records: the bisection seeks each knee first where "
+                          "this arm's earlier runs placed it (grid.prior_knees)")
     run.add_argument("--arrival-s", type=float, help="seconds of arrivals per rate (default: the workload's)")
     run.add_argument("--min-prompts", type=int, help="requests per rate at least (default: the workload's)")
     run.add_argument("--budget-s", type=float, default=420.0,

@@ -149,18 +149,29 @@ def passes(attainment: float) -> bool:
 
 
 def next_index(probes: Mapping[int, Mapping[str, float]], targets: Sequence[str],
-               lattice: RateLattice) -> int | None:
+               lattice: RateLattice, prior: Mapping[str, int] | None = None) -> int | None:
     """The lattice index to probe next, given {index: {TPOT target: attainment}} so far, or None
     when every target's knee is bracketed to one step (or lies beyond the lattice's ends).
 
     Targets are served in the order given (tightest TPOT first: those cells come first when the
     time runs out): a target that failed everywhere is followed an octave down, one that passed
-    everywhere an octave up, and a bracket wider than one step is halved."""
+    everywhere an octave up, and a bracket wider than one step is halved. `prior` ({target: the
+    index an earlier run of the arm placed the knee at}, `prior_knees`) only changes where a
+    bracket is sought: first at the earlier knee, then a step above it, so a knee that did not
+    move is bracketed in two probes instead of five or six. The bracket is still this run's own:
+    a pass and a failure one step apart."""
+    prior = prior or {}
     if not probes:
-        return 0
+        return prior.get(targets[0], 0) if targets else 0
     step = lattice.steps_per_octave
     for target in targets:
         knee = bracket({index: passes(attained[target]) for index, attained in probes.items()})
+        if (seen := prior.get(target)) is not None:
+            low = lattice.low - 1 if knee.passed is None else knee.passed
+            high = lattice.high + 1 if knee.failed is None else knee.failed
+            inside = [i for i in (seen, seen + 1) if low < i < high and i not in probes]
+            if inside:
+                return inside[0]
         if knee.passed is None:
             assert knee.failed is not None
             if knee.failed > lattice.low:
@@ -171,6 +182,23 @@ def next_index(probes: Mapping[int, Mapping[str, float]], targets: Sequence[str]
         elif knee.failed - knee.passed > 1:
             return int(knee.passed + knee.failed) // 2
     return None
+
+
+def prior_knees(sweeps: Sequence[Mapping], targets: Sequence[str], lattice: RateLattice) -> dict[str, int]:
+    """{target: knee index} from earlier sweeps of one arm on one workload (records' `sweeps`
+    entries) probed on the same lattice: per target the bracket's passing end, the median over
+    the sweeps that bracketed it (rounded down). Sweeps on another lattice are left out."""
+    same = [s for s in sweeps
+            if s.get("lattice") == {"unit": lattice.unit, "steps_per_octave": lattice.steps_per_octave}]
+    knees: dict[str, int] = {}
+    for target in targets:
+        found = sorted(int(knee.passed) for s in same
+                       if (knee := bracket({row["index"]: passes(row["attainment"][target])
+                                            for row in s["rates"] if row.get("index") is not None})).passed
+                       is not None and knee.failed is not None)
+        if found:
+            knees[target] = found[(len(found) - 1) // 2]
+    return knees
 
 
 def probe_seconds(workload: GridWorkload, rate: float, prompts: int) -> float:

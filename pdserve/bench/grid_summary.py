@@ -180,9 +180,11 @@ def cells(runs: Sequence[Run]) -> list[dict]:
             best = pdserve_best(goodput)
             if best is not None:
                 goodput["pdserve_best"] = best
-                cell["pdserve_best_vs"] = {arm: _ratio(best["value"], entry["value"])
-                                           for arm, entry in goodput.items()
-                                           if arm not in ("pdserve_best", best["arm"])}
+                others = {arm: entry for arm, entry in goodput.items() if arm not in ("pdserve_best", best["arm"])}
+                cell["pdserve_best_vs"] = {arm: _ratio(best["value"], entry["value"]) for arm, entry in others.items()}
+                bounds = {arm: _bound(best, entry) for arm, entry in others.items()}
+                if any(bounds.values()):
+                    cell["pdserve_best_vs_bound"] = {arm: b for arm, b in bounds.items() if b}
             engines = {json.dumps(run.engine, sort_keys=True)
                        for arm_runs in by_arm.values() for run in arm_runs}
             if len(engines) > 1:
@@ -198,11 +200,20 @@ def pdserve_best(goodput: dict[str, dict]) -> dict | None:
     if not candidates:
         return None
     arm, entry = max(candidates, key=lambda item: item[1]["value"])  # max keeps the first of equals
-    return {"arm": arm, **{k: entry[k] for k in ("value", "min", "max", "runs", "lower_bound")}}
+    # A pdserve arm that never failed may lie above the best found: the best is then a lower bound.
+    lower_bound = any(other["lower_bound"] for _, other in candidates)
+    return {"arm": arm, **{k: entry[k] for k in ("value", "min", "max", "runs")}, "lower_bound": lower_bound}
 
 
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
+
+
+def _bound(best: dict, other: dict) -> str | None:
+    """What the best arm's ratio to `other` is, where either goodput is a lower bound: `at_least`
+    (the best's is), `at_most` (the other's is), `unknown` (both); None where both are measured."""
+    return {(True, True): "unknown", (True, False): "at_least", (False, True): "at_most"}.get(
+        (best["lower_bound"], other["lower_bound"]))
 
 
 # --- TTFT overhead, request by request ----------------------------------------------------------
@@ -272,15 +283,19 @@ def _fmt(entry: dict) -> str:
     return (">= " if entry["lower_bound"] else "") + text
 
 
+_BOUND_PREFIX = {None: "", "at_least": ">= ", "at_most": "<= ", "unknown": "? "}
+
+
 def markdown(cell_list: Sequence[dict]) -> str:
     """Per workload: a row per TPOT target, a column per arm, then the best pdserve arm and its
-    ratio to each plain-vLLM arm (median goodput per GPU; [min-max] xN over N runs, the range left
-    out where they agree; '>=': a run still passed at its highest rate)."""
+    ratio to each colocated and plain-vLLM arm (median goodput per GPU; [min-max] xN over N runs,
+    the range left out where they agree; '>=': a run still passed at its highest rate; a ratio's
+    '>=' / '<=' / '?': one or both of its goodputs is such a lower bound)."""
     blocks = []
     for workload, ttft_ms in dict.fromkeys((c["workload"], c["ttft_ms"]) for c in cell_list):
         mine = [c for c in cell_list if (c["workload"], c["ttft_ms"]) == (workload, ttft_ms)]
         arms = sorted({a for c in mine for a in c["goodput_per_gpu"] if a != "pdserve_best"}, key=arm_order)
-        baselines = [a for a in arms if arm_spec(a).kind == "vllm"]
+        baselines = [a for a in arms if arm_spec(a).kind in ("vllm", "colocated")]
         header = ["TPOT", *arms, "best pdserve", *(f"best / {b}" for b in baselines)]
         lines = [f"{workload} (TTFT <= {ttft_ms:g} ms): goodput per GPU, req/s",
                  "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
@@ -290,8 +305,9 @@ def markdown(cell_list: Sequence[dict]) -> str:
             best = goodput.get("pdserve_best")
             row.append(f"{best['arm']} {_fmt(best)}" if best else "-")
             for b in baselines:
-                ratio = cell.get("pdserve_best_vs", {}).get(b)
-                row.append("-" if ratio is None else f"{ratio:.2f}x")
+                ratio = 1.0 if best and best["arm"] == b else cell.get("pdserve_best_vs", {}).get(b)
+                prefix = _BOUND_PREFIX[cell.get("pdserve_best_vs_bound", {}).get(b)]
+                row.append("-" if ratio is None else f"{prefix}{ratio:.2f}x")
             lines.append("| " + " | ".join(row) + " |")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)

@@ -52,9 +52,9 @@ def _arm(knees: dict[str, float]):
     return lambda rate: {t: 1.0 if rate < knees[t] else 0.0 for t in TARGETS}
 
 
-def _bisect(arm, lattice: grid.RateLattice) -> dict[int, dict[str, float]]:
+def _bisect(arm, lattice: grid.RateLattice, prior: dict[str, int] | None = None) -> dict[int, dict[str, float]]:
     probes: dict[int, dict[str, float]] = {}
-    while (index := grid.next_index(probes, TARGETS, lattice)) is not None:
+    while (index := grid.next_index(probes, TARGETS, lattice, prior)) is not None:
         assert index not in probes, "a rate is never probed twice"
         probes[index] = arm(lattice.rate(index))
     return probes
@@ -91,6 +91,41 @@ def test_a_knee_beyond_the_lattice_ends_the_search_with_what_it_has():
     never = _bisect(lambda rate: {t: 0.0 for t in TARGETS}, lattice)
     assert sorted(lattice.rate(i) for i in always) == [1.0, 2.0]
     assert sorted(lattice.rate(i) for i in never) == [0.5, 1.0]
+
+
+def _sweep(lattice: grid.RateLattice, probes: dict[int, dict[str, float]]) -> dict:
+    """A record's sweep of the probes, as proof.py writes it."""
+    return {"lattice": {"unit": lattice.unit, "steps_per_octave": lattice.steps_per_octave},
+            "rates": [{"index": i, "rate": lattice.rate(i), "attainment": a} for i, a in probes.items()]}
+
+
+def test_an_earlier_runs_knees_bracket_an_unmoved_knee_in_two_probes_and_a_moved_one_still():
+    lattice = grid.RateLattice(3.0)
+    knees = {"8": 2.0, "10": 4.0, "15": 7.0, "20": 7.5}
+    first = _bisect(_arm(knees), lattice)
+    prior = grid.prior_knees([_sweep(lattice, first)], TARGETS, lattice)
+    assert [lattice.rate(prior[t]) for t in TARGETS] == [1.78, 3.57, 6.0, 7.14]
+    again = _bisect(_arm(knees), lattice, prior)
+    assert len(again) == 7 < len(first) == 10  # 15 and 20 ms: knees a step apart share a probe
+    assert len(_bisect(_arm({t: 2.0 for t in TARGETS}), lattice, {t: prior["8"] for t in TARGETS})) == 2
+    # Knees that moved (here up by half an octave and more) are still bracketed to one step.
+    moved = {"8": 2.9, "10": 6.0, "15": 11.0, "20": 11.5}
+    probes = _bisect(_arm(moved), lattice, prior)
+    for target, knee in moved.items():
+        found = grid.bracket({lattice.rate(i): a[target] >= 0.9 for i, a in probes.items()})
+        assert found.passed < knee <= found.failed
+        assert found.failed / found.passed == pytest.approx(2 ** 0.25, rel=0.02)
+
+
+def test_prior_knees_take_the_median_over_runs_on_the_same_lattice_only():
+    lattice = grid.RateLattice(3.0)
+    runs = [_bisect(_arm({t: knee for t in TARGETS}), lattice) for knee in (2.0, 2.5, 4.0)]
+    sweeps = [_sweep(lattice, probes) for probes in runs]
+    assert grid.prior_knees(sweeps, TARGETS, lattice) == {t: -2 for t in TARGETS}  # 2.12 req/s
+    finer = grid.RateLattice(3.0, steps_per_octave=8)
+    assert grid.prior_knees(sweeps, TARGETS, finer) == {}
+    unbracketed = _sweep(lattice, {0: {t: 1.0 for t in TARGETS}})
+    assert grid.prior_knees([unbracketed], TARGETS, lattice) == {}
 
 
 def test_a_pass_above_a_failure_is_noise_the_bracket_ignores():
@@ -169,13 +204,30 @@ def test_a_cell_has_each_arms_goodput_per_gpu_with_its_spread_and_the_best_pdser
     # Where colocated-2 never failed, its goodput is a lower bound, and so is the best arm's.
     loose = cells[("isl8k", 2000.0, 20.0)]["goodput_per_gpu"]
     assert loose["colocated-2"]["lower_bound"] and loose["pdserve_best"]["arm"] == "1P1D"
-    row = "| <= 8 ms | 1.81 [1.5-2.12] x2 | 0.75 | 0.75 | 1P1D 1.81 [1.5-2.12] x2 | 2.41x |"
-    assert row in summary["cells_markdown"]
+    assert loose["pdserve_best"]["lower_bound"]
+    # ... and its ratios to arms that never failed either are unknown.
+    assert cells[("isl8k", 2000.0, 20.0)]["pdserve_best_vs_bound"] == {"colocated-2": "unknown", "vllm-2": "unknown"}
+    assert "pdserve_best_vs_bound" not in cells[("isl8k", 2000.0, 8.0)]
+    assert "| <= 8 ms | 1.81 [1.5-2.12] x2 | 0.75 | 0.75 | 1P1D 1.81 [1.5-2.12] x2 | 2.41x | 2.41x |" \
+        in summary["cells_markdown"]
+    assert "| 1P1D >= 2.15 [1.78-2.52] x2 | ? 1.44x | ? 1.44x |" in summary["cells_markdown"]
     # Merging the same sessions again adds nothing: each run counts once.
     assert grid_summary.merge_runs([one, two], merged) == 0
     assert len(grid_summary.load_runs(merged)) == 4
     assert arm_summary.summarize(merged, plots=True) == 0
     assert (merged / "attainment.png").stat().st_size > 1000
+
+
+def test_the_best_arms_ratio_says_which_side_a_lower_bound_leaves_open():
+    entry = lambda value, lower: {"value": value, "min": value, "max": value, "runs": 1, "lower_bound": lower}  # noqa: E731
+    measured = grid_summary.pdserve_best({"1P1D": entry(2.12, False), "colocated-2": entry(1.5, False)})
+    assert measured["arm"] == "1P1D" and not measured["lower_bound"]
+    open_colocated = grid_summary.pdserve_best({"1P1D": entry(2.12, False), "colocated-2": entry(1.5, True)})
+    assert open_colocated["arm"] == "1P1D" and open_colocated["lower_bound"]  # colocated may lie higher
+    assert grid_summary._bound(measured, entry(1.5, True)) == "at_most"
+    assert grid_summary._bound(open_colocated, entry(1.5, False)) == "at_least"
+    assert grid_summary._bound(open_colocated, entry(1.5, True)) == "unknown"
+    assert grid_summary._bound(measured, entry(1.5, False)) is None
 
 
 def test_the_ttft_overhead_is_taken_request_by_request_per_rate_then_over_rates():

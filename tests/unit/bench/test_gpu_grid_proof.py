@@ -58,3 +58,22 @@ def test_plan_checks_every_slice_before_anything_starts(capsys):
     args.slices = ["isl8k:1P1D", "isl8k:4P4D"]
     assert proof.plan(args) == 2
     assert "need 8 GPUs" in capsys.readouterr().err
+
+
+def test_the_prior_is_this_arms_earlier_sweeps_of_the_workload(tmp_path):
+    import json
+
+    rows = [{"index": 0, "rate": 3.0, "attainment": {t: 1.0 for t in TARGETS}},
+            {"index": 1, "rate": 3.57, "attainment": {t: 0.0 for t in TARGETS}}]
+    for name, arm in (("a", "disagg"), ("b", "1P1D"), ("c", "colocated-2"), ("d", "1P1D-ipc")):
+        (tmp_path / f"{name}.json").write_text(json.dumps(_record(arm, {"isl8k": rows, "isl16k": []})))
+    spec = proof.arm_spec("1P1D")
+    # issue 9's name for the same deployment counts; another arm or transport does not.
+    assert len(proof.earlier_sweeps([tmp_path], spec, "isl8k")) == 2
+    assert proof.earlier_sweeps(None, spec, "isl8k") == []
+    lattice = grid.RateLattice(3.0)
+    sweeps = [{**s, "lattice": {"unit": 3.0, "steps_per_octave": 4}}
+              for s in proof.earlier_sweeps([tmp_path], spec, "isl8k")]
+    prior = grid.prior_knees(sweeps, TARGETS, lattice)
+    assert prior == {t: 0 for t in TARGETS}
+    assert proof._next_rate({"rates": []}, lattice, None, prior) == (3.0, 0)
