@@ -148,6 +148,7 @@ def arm_spec(name: str) -> ArmSpec:
 _PULL_LOG = re.compile(r"pulled (\d+) blocks \(([\d.]+) MiB\) in ([\d.]+) ms")
 # The engines' first-output histogram, per pool: the engine's share of TTFT, per leg.
 _FIRST_OUTPUT = "pdserve_engine_time_to_first_output_seconds"
+_FRONTEND_TTFT = "pdserve_time_to_first_token_seconds"
 _FIRST_OUTPUT_LE = ("0.05", "0.075", "0.1", "0.15", "0.2", "0.3", "0.5")
 POOLS = ("prefill", "decode", "colocated")
 
@@ -248,9 +249,13 @@ def attainment(requests: dict[str, list], tpot_ms: float, ttft_ms: float = TTFT_
 
 
 def engine_counters(metrics_text: str) -> dict[str, float | None]:
-    """The KV transfer counters in a pdserve service's /metrics text, and per pool its engines'
+    """The KV transfer counters in a pdserve service's /metrics text; per pool its engines'
     first-output histogram (count, sum, and the cumulative counts at a few bounds,
-    `first_output_le0.1_prefill`): the engine's share of TTFT, per leg."""
+    `first_output_le0.1_prefill`): the engine's share of TTFT, per leg; and per pool the
+    frontend's own TTFT (`frontend_ttft_count_colocated`, `frontend_ttft_sum_...`: from the
+    ledger's admission, after the body was parsed, to the first token's hand-off). The client's
+    TTFT minus the frontend's is HTTP and parsing; the frontend's minus the engine's is routing
+    and the way to the engine and back."""
     names = {
         "pulls": "pdserve_kv_transfer_seconds_count",
         "seconds": "pdserve_kv_transfer_seconds_sum",
@@ -267,6 +272,11 @@ def engine_counters(metrics_text: str) -> dict[str, float | None]:
         for le in _FIRST_OUTPUT_LE:
             counters[f"first_output_le{le}_{pool}"] = metric_value(
                 metrics_text, f"{_FIRST_OUTPUT}_bucket", pool=pool, le=le)
+    for pool in POOLS:
+        if (count := metric_value(metrics_text, f"{_FRONTEND_TTFT}_count", pool=pool)) is not None:
+            counters[f"frontend_ttft_count_{pool}"] = count
+            counters[f"frontend_ttft_sum_{pool}"] = metric_value(metrics_text, f"{_FRONTEND_TTFT}_sum",
+                                                                 pool=pool)
     return counters
 
 
@@ -303,6 +313,8 @@ def counters_line(counters: dict) -> str:
         if (mean_ms := first_output_ms(counters, pool)) is not None:
             share = counters.get(f"first_output_le0.075_{pool}", 0) / counters[f"first_output_count_{pool}"]
             parts.append(f"{pool} engine first output {mean_ms:.0f} ms mean, {share:.0%} <= 75 ms")
+        if count := counters.get(f"frontend_ttft_count_{pool}"):
+            parts.append(f"{pool} frontend TTFT {counters[f'frontend_ttft_sum_{pool}'] / count * 1e3:.1f} ms mean")
     return "; ".join(parts) or "no engine counters"
 
 

@@ -179,10 +179,14 @@ def test_an_arms_counters_carry_each_pools_engine_first_output():
     metrics.update_engines([EngineStats("prefill-0", "prefill", first_output_seconds=(0.06, 0.11, 0.12)),
                             EngineStats("decode-0", "decode", first_output_seconds=(0.004,))],
                            ["prefill", "decode"])
+    metrics.ttft.labels("prefill").observe(0.1)
+    metrics.ttft.labels("prefill").observe(0.3)
     text = generate_latest(metrics.registry).decode()
     counters = arms.engine_counters(text)
     assert counters["first_output_count_prefill"] == 3 and counters["first_output_le0.075_prefill"] == 1
     assert counters["first_output_le0.15_prefill"] == 3 and counters["first_output_count_decode"] == 1
     assert "first_output_count_colocated" not in counters
+    assert counters["frontend_ttft_count_prefill"] == 2 and counters["frontend_ttft_sum_prefill"] == pytest.approx(0.4)
     line = arms.counters_line(counters)
     assert "prefill engine first output 97 ms mean, 33% <= 75 ms" in line and "decode engine" in line
+    assert "prefill frontend TTFT 200.0 ms mean" in line
