@@ -55,13 +55,13 @@ async def serial_ttfts(url: str, prompt_tokens: int, requests: int, max_tokens: 
     return ttfts
 
 
-def serve(plane: str, model_dir: Path, work: Path, repeat: int):
+def serve(plane: str, model_dir: Path, work: Path, repeat: int, max_model_len: int = 4096):
     from pdserve.testing.server import free_port, start_process
 
     port = free_port()
     command = [sys.executable, "-m", "pdserve", "serve", "--port", str(port), "--engine", "mock",
                "--model", str(model_dir), "--served-model-name", "m", "--mode", "colocated",
-               "--replicas", "1", "--set", "engine.mock.max_model_len=4096",
+               "--replicas", "1", "--set", f"engine.mock.max_model_len={max_model_len}",
                "--set", "engine.mock.num_kv_blocks=65536",
                "--set", "engine.mock.prefill_tokens_per_s=1e9",
                "--set", "engine.mock.decode_step_s=0.002",
@@ -87,7 +87,7 @@ def main() -> None:
                                                   for plane in PLANES}
     for repeat in range(args.repeats):
         for plane in PLANES if repeat % 2 == 0 else reversed(PLANES):
-            server = serve(plane, model_dir, work, repeat)
+            server = serve(plane, model_dir, work, repeat, max(4096, max(args.lengths) + args.max_tokens))
             try:
                 for n in args.lengths:
                     ttfts = asyncio.run(serial_ttfts(server.base_url, n, args.requests, args.max_tokens))

@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.api.body import NOT_UNICODE, JsonBodyRoute
 from pdserve.api.errors import OpenAIError, bad_request, internal, overloaded
 from pdserve.api.guard import AccessPolicy, HttpGuard, RequestLimits
 from pdserve.serving.metrics import ServingMetrics
@@ -69,6 +70,7 @@ def build_app(backend: EngineBackend, tokenizer: Any, served_name: str,
             await asyncio.gather(poller, return_exceptions=True)
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.router.route_class = JsonBodyRoute  # bodies parse with jiter (api/body.py)
     app.state.metrics = metrics
     _install_error_handlers(app, metrics)
     # Keys and the body limit are checked before routing and before any body is parsed.
@@ -248,6 +250,8 @@ def _describe_validation(exc: RequestValidationError) -> OpenAIError:
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
+        if (first.get("ctx") or {}).get("error") == NOT_UNICODE:
+            return bad_request(NOT_UNICODE)
         return bad_request(f"The request body is not valid JSON: {first.get('msg')}")
     if first.get("type") == "model_attributes_type" or not loc and "dict" in first.get("msg", ""):
         return bad_request("The request body must be a JSON object.")

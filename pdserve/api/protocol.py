@@ -134,11 +134,6 @@ _WHY = {
 class _SamplingFields(_Request):
     @model_validator(mode="before")
     @classmethod
-    def _refuse_text_that_is_not_unicode(cls, data: Any) -> Any:
-        return unicode_only(data)
-
-    @model_validator(mode="before")
-    @classmethod
     def _refuse_unsupported_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, default in _UNSUPPORTED.items():
@@ -272,36 +267,6 @@ class _SamplingFields(_Request):
         return None
 
 
-def unicode_only(data: Any) -> Any:
-    """`data` (a parsed JSON body), or a ValueError when it holds a lone UTF-16 surrogate:
-    JSON may escape one ("\\ud800"), and no tokenizer nor UTF-8 encoder takes it, so it is
-    refused before any of it is echoed or tokenized."""
-    if holds_lone_surrogate(data):
-        raise ValueError("The request holds text that is not valid Unicode (a lone UTF-16 "
-                         "surrogate such as \\ud800); send UTF-8 text.")
-    return data
-
-
-def holds_lone_surrogate(data: Any) -> bool:
-    """Whether any string (value or key) in a parsed JSON tree cannot be encoded as UTF-8.
-    Iterative: a deeply nested body must not exhaust the stack."""
-    pending = [data]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, str):
-            if not item.isascii():
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError:
-                    return True
-        elif isinstance(item, dict):
-            pending.extend(item.keys())
-            pending.extend(item.values())
-        elif isinstance(item, list):
-            pending.extend(item)
-    return False
-
-
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     # OpenAI's default for the legacy completions endpoint; 0 only with echo (score the prompt).
@@ -319,10 +284,11 @@ class CompletionRequest(_SamplingFields):
         if len(batch) > MAX_CHOICES:
             raise ValueError(f"at most {MAX_CHOICES} prompts per request")
         for prompt in batch:
-            if isinstance(prompt, list) and any(not isinstance(t, int) or t < 0 for t in prompt):
-                raise ValueError("prompt token ids must be non-negative integers")
             if len(prompt) == 0:
                 raise ValueError("prompt must not be empty")
+            # The field's type made a list of token ids a list[int]; min() is one C loop.
+            if isinstance(prompt, list) and min(prompt) < 0:
+                raise ValueError("prompt token ids must be non-negative integers")
         return value
 
     @model_validator(mode="after")

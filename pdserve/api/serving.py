@@ -256,7 +256,7 @@ class OpenAIServing:
             raise model_not_found(model)
 
     def _check_token_ids(self, ids: Sequence[int], param: str) -> None:
-        if any(t >= self._vocab for t in ids):
+        if ids and max(ids) >= self._vocab:
             raise bad_request(f"{param}: token ids must be < the vocabulary size {self._vocab}",
                               param)
 

@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from pdserve.api.errors import bad_request, model_not_found
-from pdserve.api.protocol import ChatCompletionRequest, ChatMessage, unicode_only
+from pdserve.api.protocol import ChatCompletionRequest, ChatMessage
 from pdserve.api.tools import ToolCalling
 
 
@@ -35,11 +35,6 @@ class _TokenizerRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_text_that_is_not_unicode(cls, data: Any) -> Any:
-        return unicode_only(data)  # a lone surrogate makes the tokenizer raise a TypeError
 
 
 class TokenizeRequest(_TokenizerRequest):
