@@ -25,11 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pdserve.bench.arms import TTFT_MS, attainment  # noqa: E402
-from pdserve.bench.grid_summary import request_deltas  # noqa: E402
-
-TPOT_TARGETS_MS = (8.0, 10.0, 15.0, 20.0)
-GOAL = 0.9  # the share of requests that must meet both targets
+from pdserve.bench.arms import TPOT_TARGETS_MS, TTFT_MS, attainment  # noqa: E402
+from pdserve.bench.grid_summary import cells as grid_cells, request_deltas, runs_of  # noqa: E402
 
 
 def paired(arm: dict, reference: dict) -> list[dict]:
@@ -48,16 +45,13 @@ def paired(arm: dict, reference: dict) -> list[dict]:
     return rows
 
 
-def goodput_per_gpu(arm: dict, tpot_ms: float) -> dict:
-    """The highest tested rate before the first one where fewer than 90% of requests met TTFT
-    <= 500 ms and this TPOT, over the arm's GPUs; `censored` when every tested rate met it
-    (the knee lies above the grid)."""
-    best = 0.0
-    for row in arm["rates"]:
-        if attainment(row["requests"], tpot_ms) < GOAL:
-            return {"goodput_per_gpu": best / arm["num_gpus"], "censored": False}
-        best = row["rate"]
-    return {"goodput_per_gpu": best / arm["num_gpus"], "censored": True}
+def every_target(record: dict) -> dict:
+    """The record with each rate's attainment at every TPOT target, from its requests (these
+    records stored 8, 10 and 20 ms only)."""
+    ttft_ms = record.get("ttft_ms", TTFT_MS)
+    rates = [{**row, "attainment": {f"{t:g}": attainment(row["requests"], t, ttft_ms) for t in TPOT_TARGETS_MS}}
+             for row in record["rates"]]
+    return {**record, "rates": rates, "tpot_targets_ms": list(TPOT_TARGETS_MS)}
 
 
 def ratios(arm: dict, reference: dict, key: str) -> list[float]:
@@ -102,21 +96,10 @@ def summarize(runs: list[Path], first_token: Path | None, proxy_cost: Path | Non
 
 
 def cells(arms: dict[str, list[dict]]) -> list[dict]:
-    out = []
-    for tpot_ms in TPOT_TARGETS_MS:
-        cell = {"workload": "random ISL 2048 / OSL 256", "ttft_ms": TTFT_MS, "tpot_ms": tpot_ms,
-                "goodput_per_gpu": {}}
-        for name, records in arms.items():
-            found = [goodput_per_gpu(r, tpot_ms) for r in records]
-            values = [f["goodput_per_gpu"] for f in found]
-            cell["goodput_per_gpu"][name] = {"last": values[-1], "min": min(values),
-                                             "max": max(values), "runs": len(values),
-                                             "censored": any(f["censored"] for f in found)}
-        pdserve = {k: v for k, v in cell["goodput_per_gpu"].items() if not k.startswith("vllm")}
-        best = max(pdserve, key=lambda k: pdserve[k]["last"])
-        cell["goodput_per_gpu"]["pdserve_best"] = {**pdserve[best], "arm": best}
-        out.append(cell)
-    return out
+    """The grid's cells (pdserve.bench.grid_summary.cells: each arm's goodput per GPU over its
+    runs, the best pdserve arm) of these records."""
+    return grid_cells([run for name, records in arms.items() for i, record in enumerate(records)
+                       for run in runs_of(every_target(record), f"{name}-{i}")])
 
 
 def main() -> None:
@@ -135,7 +118,7 @@ def main() -> None:
         print(run, " ".join(f"{r['rate']:g}:{r['median_ms']:+.2f}" for r in rows))
     for cell in summary["cells"]:
         print(f"TPOT <= {cell['tpot_ms']:g} ms: " + ", ".join(
-            f"{k} {v['last']:g}{'+' if v['censored'] else ''}" for k, v in cell["goodput_per_gpu"].items()))
+            f"{k} {'>= ' if v['lower_bound'] else ''}{v['value']:g}" for k, v in cell["goodput_per_gpu"].items()))
 
 
 if __name__ == "__main__":
