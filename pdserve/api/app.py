@@ -250,9 +250,10 @@ def _describe_validation(exc: RequestValidationError) -> OpenAIError:
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
-        if (first.get("ctx") or {}).get("error") == NOT_UNICODE:
+        where = (first.get("ctx") or {}).get("error")  # the parser's words: what, at which line and column
+        if where == NOT_UNICODE:
             return bad_request(NOT_UNICODE)
-        return bad_request(f"The request body is not valid JSON: {first.get('msg')}")
+        return bad_request(f"The request body is not valid JSON: {where or first.get('msg')}")
     if first.get("type") == "model_attributes_type" or not loc and "dict" in first.get("msg", ""):
         return bad_request("The request body must be a JSON object.")
     param = ".".join(loc) or None

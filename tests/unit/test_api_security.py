@@ -191,7 +191,15 @@ def test_invalid_utf8_bytes_get_400(serve):
     client = serve()
     r = client.post("/v1/completions", content=b'{"model": "tiny", "prompt": "\xff\xfe"}',
                     headers={"content-type": "application/json"})
-    assert_openai_error(r, 400)
+    assert "not valid Unicode" in assert_openai_error(r, 400)["message"]
+
+
+def test_a_body_that_is_not_json_says_where_it_breaks(serve):
+    client = serve()
+    r = client.post("/v1/completions", content=b'{"model": "tiny", "prompt": ',
+                    headers={"content-type": "application/json"})
+    message = assert_openai_error(r, 400)["message"]
+    assert message.startswith("The request body is not valid JSON") and "line 1 column 28" in message
 
 
 INTERNALS = ("ActorDiedError", "5f3a9c0e1d", "pid=4242", "10.1.2.3", "Traceback", "RuntimeError")
