@@ -77,3 +77,9 @@ def test_the_prior_is_this_arms_earlier_sweeps_of_the_workload(tmp_path):
     prior = grid.prior_knees(sweeps, TARGETS, lattice)
     assert prior == {t: 0 for t in TARGETS}
     assert proof._next_rate({"rates": []}, lattice, None, prior) == (3.0, 0)
+
+
+def test_a_record_says_how_fast_its_hosts_cpu_does_the_frontends_per_token_steps():
+    timings = proof.frontend_cpu_ms(tokens=2048, repeats=2)
+    assert set(timings) == {"parse_json", "block_hashes", "msgpack_pack"}
+    assert all(ms > 0 for ms in timings.values())
