@@ -34,19 +34,12 @@ fi
 # The workload's requests, TTFT target and first rate; the engines' settings as every grid arm's.
 mapfile -t flags < <("$py" - "$model" "$workload" "$tpot" "$ngpus" "${TUNE_MOCK:+mock}" <<'EOF'
 import shlex, sys
-from pdserve.bench.arms import pdserve_args
+from pdserve.bench.arms import ENGINE, pdserve_args
 from pdserve.bench.grid import WORKLOADS
 model, name, tpot, ngpus, mock = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5:] == ["mock"]
 w = WORKLOADS[name]
-from pdserve.bench.arms import ENGINE
 # The tuner sets max_num_seqs and max_num_batched_tokens itself (one candidate each: ENGINE's).
-args, serve = pdserve_args(model, mock), []
-while args:
-    flag = args.pop(0)
-    if flag == "--max-num-seqs" or (flag == "--set" and args[0].startswith("engine.max_num_batched_tokens=")):
-        args.pop(0)
-    else:
-        serve.append(flag)
+serve = pdserve_args(model, mock, knobs=False)
 for flag in [*w.bench_flags(), "--tokenizer", model, "--prompt-format", "token-ids", "--ignore-eos",
              "--goodput", f"ttft:{w.ttft_ms:g}", f"tpot:{tpot:g}",
              "--search-start-rate", f"{w.rate_unit * ngpus:g}", "--serve-args", shlex.join(serve),

@@ -160,19 +160,21 @@ _MOCK_ENGINE = {"prefill_tokens_per_s": 40000, "decode_step_s": 0.006, "decode_s
                 "num_kv_blocks": 50000}
 
 
-def pdserve_args(model: str, mock: bool) -> list[str]:
-    """`pdserve serve` flags for ENGINE (or the mock engine when testing the script on a CPU)."""
+def pdserve_args(model: str, mock: bool, knobs: bool = True) -> list[str]:
+    """`pdserve serve` flags for ENGINE (or the mock engine when testing the script on a CPU);
+    without `knobs`, those `pdserve bench tune` sets per candidate (max_num_seqs and, on real
+    engines, max_num_batched_tokens) are left out."""
+    seqs = ["--max-num-seqs", str(ENGINE["max_num_seqs"])] if knobs else []
     if mock:
         timings = {"max_model_len": ENGINE["max_model_len"], **_MOCK_ENGINE}
-        return ["--model", model, "--engine", "mock", "--served-model-name", "m",
-                "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+        return ["--model", model, "--engine", "mock", "--served-model-name", "m", *seqs,
                 *(arg for key, value in timings.items() for arg in ("--set", f"engine.mock.{key}={value}")),
                 *(arg for pool in ("prefill", "decode", "colocated")
                   for arg in ("--set", f"pools.{pool}.num_cpus=0.1"))]
     return [
         "--model", model, "--served-model-name", "m", "--load-format", "dummy",
-        "--max-model-len", str(ENGINE["max_model_len"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-        "--set", f"engine.max_num_batched_tokens={ENGINE['max_num_batched_tokens']}",
+        "--max-model-len", str(ENGINE["max_model_len"]), *seqs,
+        *(["--set", f"engine.max_num_batched_tokens={ENGINE['max_num_batched_tokens']}"] if knobs else []),
         "--set", f"engine.gpu_memory_utilization={ENGINE['gpu_memory_utilization']}",
         "--set", "engine.enforce_eager=false", "--set", "engine.enable_prefix_caching=true",
         "--set", f"engine.seed={ENGINE['seed']}",

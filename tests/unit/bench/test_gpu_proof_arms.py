@@ -142,6 +142,17 @@ def test_every_arm_serves_with_one_context_long_enough_for_every_workload():
     assert f"engine.mock.max_model_len={arms.ENGINE['max_model_len']}" in mock
 
 
+def test_the_tuners_serve_args_leave_it_the_knobs_it_sets_per_candidate():
+    for mock in (False, True):
+        full, tuned = arms.pdserve_args("model", mock), arms.pdserve_args("model", mock, knobs=False)
+        assert "--max-num-seqs" in full and "--max-num-seqs" not in tuned
+        assert not any(arg.startswith("engine.max_num_batched_tokens") for arg in tuned)
+        assert [arg for arg in full if arg not in tuned] == (
+            ["--max-num-seqs", str(arms.ENGINE["max_num_seqs"])] if mock else
+            ["--max-num-seqs", str(arms.ENGINE["max_num_seqs"]),
+             f"engine.max_num_batched_tokens={arms.ENGINE['max_num_batched_tokens']}"])
+
+
 def test_a_one_token_output_meets_any_tpot_and_a_request_is_scored_on_its_workloads_ttft():
     result = {"ttfts": [0.3, 1.5, 0.2, None], "latencies": [0.3, 4.05, 2.75, None],
               "output_lens": [1, 256, 256, 0], "errors": ["", "", "", "boom"], "input_lens": [8192] * 4}
