@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pdserve.bench.arm_summary import merge, summarize  # noqa: E402
 from pdserve.bench.arms import (  # noqa: E402
     ENGINE, RATES, TPOT_TARGETS_MS, ArmSpec, arm_spec, attainment, counters_line, delta, engine_counters,
-    pdserve_args, per_request, proxy_command, pulls_from_log, serve_command, vllm_command,
+    pdserve_args, per_request, proxy_command, pulls_from_log, serve_command, vllm_command, vllm_counters,
 )
 from pdserve.bench.grid import (  # noqa: E402
     WORKLOADS, GridWorkload, RateLattice, assign_gpus, estimate_arm_s, next_index, parse_slice, prior_knees,
@@ -145,11 +145,18 @@ def bench_command(arm: Arm, model: str, workload: GridWorkload, rate: float, pro
 
 
 def kv_counters(arm: Arm) -> dict[str, float | None]:
-    """A pdserve arm's KV transfer and engine first-output counters (arms.engine_counters); {}
-    for plain vLLM."""
-    if not arm.pdserve:
-        return {}
-    return engine_counters(httpx.get(f"{arm.base_url}/metrics", timeout=10).text)
+    """A pdserve arm's KV transfer and engine first-output counters (arms.engine_counters); for
+    plain vLLM, its engines' own TTFT (arms.vllm_counters, summed over its servers; a mock vLLM
+    arm, pdserve's mock servers, has none)."""
+    if arm.pdserve:
+        return engine_counters(httpx.get(f"{arm.base_url}/metrics", timeout=10).text)
+    total: dict[str, float | None] = {}
+    for server in arm.processes:
+        if server.log_path.name == "proxy.log":
+            continue
+        for key, value in vllm_counters(httpx.get(f"{server.base_url}/metrics", timeout=10).text).items():
+            total[key] = None if value is None else (total.get(key) or 0.0) + value
+    return {} if all(v is None for v in total.values()) else total
 
 
 SUMMARY_KEYS = (
@@ -181,8 +188,8 @@ def run_probe(arm: Arm, model: str, workload: GridWorkload, rate: float, prompts
         "attainment": {key: attainment(requests, float(key), workload.ttft_ms) for key in TARGET_KEYS},
         "requests": requests,
     }
-    if arm.pdserve:
-        row["kv"] = delta(kv_counters(arm), before)
+    if after := kv_counters(arm):
+        row["kv"] = delta(after, before)
     return row
 
 
@@ -251,7 +258,7 @@ def sweep_workload(arm: Arm, spec: ArmSpec, args: argparse.Namespace, workload: 
     """Probes one workload until its knees are bracketed, its rates or probes run out, or the next
     probe would end after `share_end`; False if the arm stopped serving meanwhile."""
     lattice = RateLattice(workload.rate_unit * spec.num_gpus, args.steps_per_octave)
-    fixed = list(args.rates or RATES.get(args.arm) or []) or None
+    fixed = list(rates_for(args.rates, workload.name) or RATES.get(args.arm) or []) or None
     sweep.update(method="rates" if fixed else "bisection",
                  lattice={"unit": lattice.unit, "steps_per_octave": lattice.steps_per_octave})
     prior = prior_knees(earlier_sweeps(args.prior, spec, workload.name), TARGET_KEYS, lattice)
@@ -284,6 +291,23 @@ def sweep_workload(arm: Arm, spec: ArmSpec, args: argparse.Namespace, workload: 
             sweep["stopped"] = f"rate {rate:g}: the arm stopped serving"
             return False
     return True
+
+
+def rates_for(given: list[tuple[str | None, list[float]]] | None, workload: str) -> list[float]:
+    """The `--rates` of one workload: its own (`isl8k=0.75,1.5`), else those given for all."""
+    given = given or []
+    return next((rates for name, rates in given if name == workload), None) or \
+        [rate for name, rates in given if name is None for rate in rates]
+
+
+def _rates_arg(text: str) -> tuple[str | None, list[float]]:
+    name, _, rates = text.rpartition("=")
+    if name and name not in WORKLOADS:
+        raise argparse.ArgumentTypeError(f"unknown workload {name!r}; one of {', '.join(WORKLOADS)}")
+    try:
+        return name or None, [float(rate) for rate in rates.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"rates {rates!r}: numbers separated by commas") from None
 
 
 def earlier_sweeps(folders: list[Path] | None, spec: ArmSpec, workload: str) -> list[dict]:
@@ -430,8 +454,9 @@ def _add_run(commands) -> None:
     run.add_argument("--gpus", type=lambda v: v.split(","), help="CUDA device ids, e.g. 0,1 (default: all)")
     run.add_argument("--model", required=True, help="config.json + tokenizer directory (dummy weights)")
     run.add_argument("--out", type=Path, required=True)
-    run.add_argument("--rates", type=float, nargs="+",
-                     help="total req/s, each workload (default: a bisection; issue 9's names: their RATES)")
+    run.add_argument("--rates", type=_rates_arg, nargs="+",
+                     help="total req/s, each workload, or one workload's: isl8k=0.75,1.5 (default: a "
+                          "bisection; issue 9's names: their RATES)")
     run.add_argument("--steps-per-octave", type=int, default=4, help="the bisection's rate lattice")
     run.add_argument("--max-probes", type=int, default=8, help="rates per workload at most")
     run.add_argument("--prior", type=Path, nargs="+",

@@ -317,7 +317,18 @@ def counters_line(counters: dict) -> str:
             parts.append(f"{pool} engine first output {mean_ms:.0f} ms mean, {share:.0%} <= 75 ms")
         if count := counters.get(f"frontend_ttft_count_{pool}"):
             parts.append(f"{pool} frontend TTFT {counters[f'frontend_ttft_sum_{pool}'] / count * 1e3:.1f} ms mean")
+    if count := counters.get("vllm_ttft_count"):
+        parts.append(f"vLLM's own TTFT {counters['vllm_ttft_sum'] / count * 1e3:.1f} ms mean")
     return "; ".join(parts) or "no engine counters"
+
+
+def vllm_counters(metrics_text: str) -> dict[str, float | None]:
+    """Plain `vllm serve`'s own TTFT histogram (count, sum over its series): from its input
+    processing to its output processor's first token, the span pdserve's engine first output
+    covers in an engine actor, so a vllm-N arm's client TTFT minus it is vLLM's HTTP, parsing and
+    streaming, to set against a pdserve arm's client TTFT minus its engines' first output."""
+    return {"vllm_ttft_count": metric_sum(metrics_text, "vllm:time_to_first_token_seconds_count"),
+            "vllm_ttft_sum": metric_sum(metrics_text, "vllm:time_to_first_token_seconds_sum")}
 
 
 def metric_sum(text: str, name: str) -> float | None:

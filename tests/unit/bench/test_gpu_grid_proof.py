@@ -83,3 +83,15 @@ def test_a_record_says_how_fast_its_hosts_cpu_does_the_frontends_per_token_steps
     timings = proof.frontend_cpu_ms(tokens=2048, repeats=2)
     assert set(timings) == {"parse_json", "block_hashes", "msgpack_pack"}
     assert all(ms > 0 for ms in timings.values())
+
+
+def test_rates_given_per_workload_override_those_given_for_every_workload():
+    given = [proof._rates_arg("1,2"), proof._rates_arg("isl8k=0.5,1.5")]
+    assert proof.rates_for(given, "isl8k") == [0.5, 1.5]
+    assert proof.rates_for(given, "isl16k") == [1.0, 2.0]
+    assert proof.rates_for([proof._rates_arg("isl8k=0.5")], "isl2k") == []
+    assert proof.rates_for(None, "isl2k") == []
+    with pytest.raises(Exception, match="unknown workload 'isl9k'"):
+        proof._rates_arg("isl9k=1")
+    with pytest.raises(Exception, match="numbers separated by commas"):
+        proof._rates_arg("isl8k=fast")

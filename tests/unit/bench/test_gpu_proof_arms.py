@@ -201,3 +201,19 @@ def test_an_arms_counters_carry_each_pools_engine_first_output():
     line = arms.counters_line(counters)
     assert "prefill engine first output 97 ms mean, 33% <= 75 ms" in line and "decode engine" in line
     assert "prefill frontend TTFT 200.0 ms mean" in line
+
+
+def test_a_vllm_arms_counters_carry_vllms_own_ttft_summed_over_its_engines():
+    text = "\n".join([
+        "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
+        "# TYPE vllm:time_to_first_token_seconds histogram",
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 2.0',
+        'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 3.0',
+        'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.3',
+        'vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 1.0',
+        'vllm:time_to_first_token_seconds_sum{engine="1",model_name="m"} 0.1',
+    ])
+    counters = arms.vllm_counters(text)
+    assert counters == {"vllm_ttft_count": 4.0, "vllm_ttft_sum": pytest.approx(0.4)}
+    assert "vLLM's own TTFT 100.0 ms mean" in arms.counters_line(counters)
+    assert arms.vllm_counters("") == {"vllm_ttft_count": None, "vllm_ttft_sum": None}
