@@ -40,7 +40,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -90,16 +90,17 @@ class Arm:
 
 
 def start_arm(spec: ArmSpec, model: str, logs: Path, mock: bool, gpus: list[str], start_timeout_s: float,
-              slo_ms: tuple[float, float] | None = None) -> Arm:
+              slo_ms: tuple[float, float] | None = None, settings: Sequence[str] = ()) -> Arm:
     """Starts an arm on `gpus` (CUDA device ids), its logs in `logs`; returns once it answers /health.
-    An adaptive arm routes against `slo_ms` (TTFT, TPOT)."""
+    An adaptive arm routes against `slo_ms` (TTFT, TPOT); a pdserve arm serves with `settings`
+    (`pdserve serve --set KEY=VALUE`) too."""
     name = spec.name
     if len(gpus) < spec.num_gpus and not mock:
         raise SystemExit(f"arm {name} needs {spec.num_gpus} GPUs, {len(gpus)} visible: {gpus}")
     if spec.pdserve:
         port = free_port()
         trace = os.environ.get("PROOF_STEP_TRACE")
-        command, env = serve_command(spec, model, mock, gpus, port, trace, slo_ms)
+        command, env = serve_command(spec, model, mock, gpus, port, trace, slo_ms, settings)
         server = start_process(command, port, logs / "server.log", start_timeout_s, env)
         visible = ",".join(gpus[: spec.num_gpus])
         return Arm(name, server.base_url, [server], [f"CUDA_VISIBLE_DEVICES={visible} {shlex.join(command)}"],
@@ -379,8 +380,10 @@ def run_arm(args: argparse.Namespace) -> int:
     # TTFT and the TPOT its name gives (`1P1D-adaptive-20ms`; 10 ms by default).
     if spec.adaptive:
         record["slo_ms"] = [WORKLOADS[args.workloads[0]].ttft_ms, spec.route_tpot_ms]
+    if args.set:
+        record["settings"] = args.set  # a variant of the arm: the record says how it was served
     arm = start_arm(spec, args.model, raw, args.mock, gpus, max(60.0, deadline - time.monotonic()),
-                    record.get("slo_ms"))
+                    record.get("slo_ms"), args.set or ())
     record.update(start_s=time.monotonic() - started, commands=arm.commands)
     print(f"{args.record}: {spec.name} up in {record['start_s']:.0f} s at {arm.base_url}", flush=True)
     try:
@@ -467,6 +470,8 @@ def _add_run(commands) -> None:
     run.add_argument("--budget-s", type=float, default=420.0,
                      help="seconds from now for the start and every probe; a probe that would end "
                           "later is not started")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="a pdserve arm's `pdserve serve --set`, after the arm's own (a variant)")
     run.add_argument("--mock", action="store_true", help="pdserve's mock engine (CPU test of the script)")
 
 

@@ -166,8 +166,11 @@ def _rate_row(row: dict) -> dict:
     for pool in POOLS:
         if (mean_ms := first_output_ms(row.get("kv") or {}, pool)) is not None:
             out[f"engine_first_output_ms_mean_{pool}"] = mean_ms
-    if (count := (row.get("kv") or {}).get("vllm_ttft_count")):
-        out["vllm_ttft_ms_mean"] = row["kv"]["vllm_ttft_sum"] / count * 1e3
+    counters = row.get("kv") or {}
+    for key in (f"{timing}_count{suffix}" for timing in ("vllm_ttft", "queue", "prefill")
+                for suffix in ("", *(f"_{pool}" for pool in POOLS))):
+        if count := counters.get(key):
+            out[key.replace("_count", "_ms_mean")] = counters[key.replace("_count", "_sum")] / count * 1e3
     return out
 
 

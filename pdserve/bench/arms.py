@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,6 +149,10 @@ _PULL_LOG = re.compile(r"pulled (\d+) blocks \(([\d.]+) MiB\) in ([\d.]+) ms")
 # The engines' first-output histogram, per pool: the engine's share of TTFT, per leg.
 _FIRST_OUTPUT = "pdserve_engine_time_to_first_output_seconds"
 _FRONTEND_TTFT = "pdserve_time_to_first_token_seconds"
+# vLLM's own timings inside pdserve's engines, per pool (counters `vllm_ttft_count_colocated`, ...).
+_ENGINE_TIMINGS = {"vllm_ttft": "pdserve_engine_vllm_time_to_first_token_seconds",
+                   "queue": "pdserve_engine_queue_time_seconds",
+                   "prefill": "pdserve_engine_prefill_time_seconds"}
 _FIRST_OUTPUT_LE = ("0.05", "0.075", "0.1", "0.15", "0.2", "0.3", "0.5")
 POOLS = ("prefill", "decode", "colocated")
 
@@ -195,11 +199,13 @@ def vllm_command(model: str, port: int) -> list[str]:
 
 def serve_command(spec: ArmSpec, model: str, mock: bool, gpus: list[str], port: int,
                   step_trace_root: Path | str | None = None,
-                  slo_ms: tuple[float, float] | None = None) -> tuple[list[str], dict[str, str]]:
+                  slo_ms: tuple[float, float] | None = None,
+                  settings: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
     """`pdserve serve` of a pdserve arm (xPyD or colocated-N) on the first
     `spec.num_gpus` of `gpus` (CUDA device ids), and the environment it needs. With
     `step_trace_root` every engine writes its steps to ROOT/ARM-steps/ (for the record). An
-    adaptive xPyD routes against `slo_ms` (TTFT, TPOT), as `pdserve bench tune` serves one."""
+    adaptive xPyD routes against `slo_ms` (TTFT, TPOT), as `pdserve bench tune` serves one.
+    `settings` (KEY=VALUE) go to `pdserve serve --set` after the arm's own."""
     if spec.kind == "disagg":
         mode = ["--mode", "disaggregated", "--prefill", str(spec.prefill), "--decode", str(spec.decode),
                 "--transport", spec.transport]
@@ -213,6 +219,7 @@ def serve_command(spec: ArmSpec, model: str, mock: bool, gpus: list[str], port: 
     args = [*pdserve_args(model, mock), *mode]
     if step_trace_root:
         args += ["--set", f"engine.step_trace_dir={step_trace_root}/{spec.name}-steps"]
+    args += [arg for setting in settings for arg in ("--set", setting)]
     command = [sys.executable, "-m", "pdserve", "serve", "--port", str(port), *args]
     env = {} if mock else {"CUDA_VISIBLE_DEVICES": ",".join(gpus[: spec.num_gpus])}
     return command, env
@@ -275,6 +282,10 @@ def engine_counters(metrics_text: str) -> dict[str, float | None]:
             counters[f"first_output_le{le}_{pool}"] = metric_value(
                 metrics_text, f"{_FIRST_OUTPUT}_bucket", pool=pool, le=le)
     for pool in POOLS:
+        for key, metric in _ENGINE_TIMINGS.items():
+            if (count := metric_value(metrics_text, f"{metric}_count", pool=pool)):
+                counters[f"{key}_count_{pool}"] = count
+                counters[f"{key}_sum_{pool}"] = metric_value(metrics_text, f"{metric}_sum", pool=pool)
         if (count := metric_value(metrics_text, f"{_FRONTEND_TTFT}_count", pool=pool)) is not None:
             counters[f"frontend_ttft_count_{pool}"] = count
             counters[f"frontend_ttft_sum_{pool}"] = metric_value(metrics_text, f"{_FRONTEND_TTFT}_sum",
@@ -317,18 +328,29 @@ def counters_line(counters: dict) -> str:
             parts.append(f"{pool} engine first output {mean_ms:.0f} ms mean, {share:.0%} <= 75 ms")
         if count := counters.get(f"frontend_ttft_count_{pool}"):
             parts.append(f"{pool} frontend TTFT {counters[f'frontend_ttft_sum_{pool}'] / count * 1e3:.1f} ms mean")
-    if count := counters.get("vllm_ttft_count"):
-        parts.append(f"vLLM's own TTFT {counters['vllm_ttft_sum'] / count * 1e3:.1f} ms mean")
+        if timings := _timings_text(counters, f"_{pool}"):
+            parts.append(f"{pool} engines' vLLM {timings}")
+    if timings := _timings_text(counters, ""):
+        parts.append(f"vLLM's own {timings}")
     return "; ".join(parts) or "no engine counters"
 
 
+def _timings_text(counters: dict, suffix: str) -> str:
+    """vLLM's TTFT, queue and prefill means (ms) among `counters` (keys ending in `suffix`)."""
+    parts = [f"{label} {counters[f'{key}_sum{suffix}'] / count * 1e3:.1f}"
+             for key, label in (("vllm_ttft", "TTFT"), ("queue", "queue"), ("prefill", "prefill"))
+             if (count := counters.get(f"{key}_count{suffix}"))]
+    return f"{', '.join(parts)} ms mean" if parts else ""
+
+
 def vllm_counters(metrics_text: str) -> dict[str, float | None]:
-    """Plain `vllm serve`'s own TTFT histogram (count, sum over its series): from its input
-    processing to its output processor's first token, the span pdserve's engine first output
-    covers in an engine actor, so a vllm-N arm's client TTFT minus it is vLLM's HTTP, parsing and
-    streaming, to set against a pdserve arm's client TTFT minus its engines' first output."""
-    return {"vllm_ttft_count": metric_sum(metrics_text, "vllm:time_to_first_token_seconds_count"),
-            "vllm_ttft_sum": metric_sum(metrics_text, "vllm:time_to_first_token_seconds_sum")}
+    """Plain `vllm serve`'s own TTFT, queue and prefill histograms (count, sum over its series):
+    the same vLLM timings pdserve's engines report (engine_counters' `vllm_ttft_*`, `queue_*`,
+    `prefill_*` per pool). vLLM's TTFT runs from its input processing to its output processor's
+    first token, so a vllm-N arm's client TTFT minus it is vLLM's HTTP, parsing and streaming."""
+    return {f"{key}_{part}": metric_sum(metrics_text, f"vllm:{metric}_seconds_{part}")
+            for key, metric in (("vllm_ttft", "time_to_first_token"), ("queue", "request_queue_time"),
+                                ("prefill", "request_prefill_time")) for part in ("count", "sum")}
 
 
 def metric_sum(text: str, name: str) -> float | None:

@@ -41,6 +41,8 @@ __all__ = ["EngineActor", "EngineOutput", "EngineSpec"]
 
 # Early aborts remembered (ids of requests that finished before their abort land here too).
 _ABORTED_EARLY_KEPT = 4096
+# EngineStats' samples that no frontend owns: each goes to the first frontend that asks.
+_POOLED_SAMPLES = ("kv_transfer_seconds", "vllm_ttft_seconds", "queue_seconds", "prefill_seconds")
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +68,9 @@ class EngineActor:
         # per frontend name (the subscriber that submitted the request), so that each frontend
         # counts its own requests' samples once, whoever else polls `stats()`.
         self._first_output_s: dict[str, deque[float]] = {}
-        # KV pull durations the engine reported and no frontend has taken yet (`stats()`).
-        self._kv_seconds: deque[float] = deque(maxlen=4096)
+        # What the engine reported and no frontend has taken yet (`stats()`): KV pull durations
+        # and vLLM's own per-request timings (EngineStats fields).
+        self._samples: dict[str, deque[float]] = {key: deque(maxlen=4096) for key in _POOLED_SAMPLES}
         # With step tracing on, the same two times per request beside the engine's step trace.
         trace_dir = spec.config.engine.step_trace_dir
         self._requests = RequestTraceWriter(trace_dir, spec.replica_id) if trace_dir else None
@@ -221,22 +224,23 @@ class EngineActor:
 
     async def stats(self, subscriber: str = "") -> EngineStats:
         """The engine's state now, and the samples collected since this frontend's previous
-        call: its own requests' first-output times, and KV pull durations no other frontend
-        took yet (each counted by one frontend). A caller named '' (the controller of
+        call: its own requests' first-output times, and the KV pull durations and vLLM's own
+        request timings no other frontend took yet (each counted by one frontend). A caller named '' (the controller of
         ingress replicas, a bare `stats()` with no frontend) takes no frontend's samples, unless
         requests were submitted under that name."""
         if self._engine.dead:
             return EngineStats(self._spec.replica_id, self._spec.pool, dead=True)
         stats = self._engine.stats()
-        self._kv_seconds.extend(stats.kv_transfer_seconds)
+        for key, samples in self._samples.items():
+            samples.extend(getattr(stats, key))
         name = subscriber.partition("@")[0]
         firsts = self._first_output_s.pop(name, ())
-        kv_seconds: tuple[float, ...] = ()
+        taken: dict[str, tuple[float, ...]] = {key: () for key in self._samples}
         if name or not self._streams or "" in self._streams:
-            kv_seconds = tuple(self._kv_seconds)
-            self._kv_seconds.clear()
-        return dataclasses.replace(stats, first_output_seconds=tuple(firsts),
-                                   kv_transfer_seconds=kv_seconds)
+            for key, samples in self._samples.items():
+                taken[key] = tuple(samples)
+                samples.clear()
+        return dataclasses.replace(stats, first_output_seconds=tuple(firsts), **taken)
 
     async def release_kv(self, kv_transfer_params: dict) -> None:
         """End the KV pin of a prefill leg whose decode leg will never pull it."""

@@ -166,6 +166,14 @@ class EngineStats:
     # Seconds from a request's arrival at the engine's actor to its first output, for requests
     # that produced one since the previous stats call (set by EngineActor, not by engines).
     first_output_seconds: tuple[float, ...] = ()
+    # vLLM's own timings of the requests that reached a first token or finished since the previous
+    # stats call (vLLM engines; empty for the mock): its time to first token, from its input
+    # processing to the first token's output processing (first_output_seconds minus it is the
+    # engine actor's own work), and, per finished request, the time queued in its scheduler and
+    # from its first scheduling to its first token (the prefill, or a decode leg's pull and step).
+    vllm_ttft_seconds: tuple[float, ...] = ()
+    queue_seconds: tuple[float, ...] = ()
+    prefill_seconds: tuple[float, ...] = ()
     # The engine can serve nothing more (set by EngineActor from `Engine.dead`).
     dead: bool = False
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,9 @@ logger = logging.getLogger(__name__)
 _DEFAULT_CPU_KV_BYTES = 1024**3
 
 
+_TIMINGS = ("vllm_ttft_seconds", "queue_seconds", "prefill_seconds")
+
+
 @dataclass(slots=True)
 class _LatestSchedulerStats:
     num_running: int = 0
@@ -51,6 +55,21 @@ class _LatestSchedulerStats:
     # Each request's pull until its leg takes it (`take_pull`), by the id pdserve submitted it
     # with.
     pulls: dict[str, KVPull] = field(default_factory=dict)
+    # vLLM's own per-request timings (EngineStats.vllm_ttft_seconds, ...), drained by stats().
+    timings: dict[str, deque[float]] = field(
+        default_factory=lambda: {key: deque(maxlen=4096) for key in _TIMINGS})
+
+    def add_iteration(self, iteration: Any) -> None:
+        self.timings["vllm_ttft_seconds"].extend(iteration.time_to_first_tokens_iter)
+        for finished in iteration.finished_requests:
+            self.timings["queue_seconds"].append(finished.queued_time)
+            self.timings["prefill_seconds"].append(finished.prefill_time)
+
+    def take_timings(self) -> dict[str, tuple[float, ...]]:
+        taken = {key: tuple(values) for key, values in self.timings.items()}
+        for values in self.timings.values():
+            values.clear()
+        return taken
 
     def add_transfers(self, data: dict[str, Any]) -> None:
         """Fold in one interval of pdserve's connector stats (`pdserve.kv.connector.stats`):
@@ -85,6 +104,8 @@ def _stat_logger_factory(sink: _LatestSchedulerStats):
             pass
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kw: Any) -> None:
+            if iteration_stats is not None:
+                sink.add_iteration(iteration_stats)
             if scheduler_stats is None:
                 return
             sink.num_running = scheduler_stats.num_running_reqs
@@ -203,6 +224,7 @@ class VllmEngine:
             num_aborted_total=self._aborted_total, num_finished_total=self._finished_total,
             kv_transport=s.kv_transport, kv_transfer_bytes_total=s.kv_bytes_total,
             kv_transfer_failures_total=s.kv_failures_total, kv_transfer_seconds=seconds,
+            **s.take_timings(),
         )
 
     async def shutdown(self) -> None:

@@ -48,6 +48,21 @@ class ServingMetrics:
             "KV pull plus one step); pdserve_time_to_first_token_seconds minus this is Ray, the "
             "frontend and, for a decode leg, the prefill leg.",
             ["pool"], buckets=_ENGINE_FIRST_BUCKETS, registry=r)
+        self.engine_vllm_ttft = Histogram(
+            "pdserve_engine_vllm_time_to_first_token_seconds",
+            "vLLM's own time to first token in an engine, per leg: from its input processing to "
+            "the first token's output processing. pdserve_engine_time_to_first_output_seconds "
+            "minus this is the engine actor's own work.",
+            ["pool"], buckets=_ENGINE_FIRST_BUCKETS, registry=r)
+        self.engine_queue = Histogram(
+            "pdserve_engine_queue_time_seconds",
+            "Time a finished request waited in its engine's scheduler before its first step, per leg.",
+            ["pool"], buckets=_ENGINE_FIRST_BUCKETS, registry=r)
+        self.engine_prefill = Histogram(
+            "pdserve_engine_prefill_time_seconds",
+            "Time from a finished request's first step in its engine to its first token, per leg "
+            "(a decode leg: its KV pull and one step).",
+            ["pool"], buckets=_ENGINE_FIRST_BUCKETS, registry=r)
         self.requests = Counter("pdserve_requests_total", "Finished requests by outcome.",
                                 ["pool", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens processed.",
@@ -143,8 +158,12 @@ class ServingMetrics:
             self.engine_aborted.labels(s.pool, s.replica_id).set(s.num_aborted_total)
             self.engine_finished.labels(s.pool, s.replica_id).set(s.num_finished_total)
             self._observe_transfers(s)
-            for seconds in s.first_output_seconds:
-                self.engine_first_output.labels(s.pool).observe(seconds)
+            for histogram, samples in ((self.engine_first_output, s.first_output_seconds),
+                                       (self.engine_vllm_ttft, s.vllm_ttft_seconds),
+                                       (self.engine_queue, s.queue_seconds),
+                                       (self.engine_prefill, s.prefill_seconds)):
+                for seconds in samples:
+                    histogram.labels(s.pool).observe(seconds)
         for pool in running:
             self.running.labels(pool).set(running[pool])
             self.waiting.labels(pool).set(waiting[pool])

@@ -207,6 +207,18 @@ def test_metrics_are_exported_by_pool(server, client):
     assert metric_value(text, "pdserve_requests_waiting", pool="colocated") is not None
     usage = metric_value(text, "pdserve_kv_cache_usage_ratio", pool="colocated", replica="colocated-0")
     assert usage is not None and 0.0 <= usage <= 1.0
+    # vLLM's own timings of the engine's requests arrive with the next engine stats poll.
+    timings = ("pdserve_engine_vllm_time_to_first_token_seconds", "pdserve_engine_queue_time_seconds",
+               "pdserve_engine_prefill_time_seconds")
+    deadline = time.monotonic() + 30
+    while any(not metric_value(text, f"{name}_count", pool="colocated") for name in timings):
+        assert time.monotonic() < deadline, "no vLLM request timings on /metrics"
+        time.sleep(0.5)
+        text = httpx.get(f"{server.base_url}/metrics").text
+    # vLLM's time to first token lies inside the engine actor's (arrival to first output).
+    assert 0 < metric_value(text, f"{timings[0]}_sum", pool="colocated") <= metric_value(
+        text, "pdserve_engine_time_to_first_output_seconds_sum", pool="colocated")
+    assert metric_value(text, f"{timings[2]}_sum", pool="colocated") > 0
 
 
 def test_the_engine_traces_its_steps(server, client, step_trace_dir):

@@ -326,3 +326,38 @@ async def test_a_restarted_frontend_aborts_what_its_predecessor_left():
     for outputs in (successor, other):
         await outputs.aclose()
     await actor.shutdown()
+
+
+async def test_vllms_own_request_timings_reach_metrics_through_one_frontend(served, monkeypatch):
+    """vLLM's iteration stats (its TTFT; queue and prefill times of finished requests), as the
+    vLLM adapter's stat logger folds them in, go to the first frontend that asks, once, and onto
+    /metrics by pool."""
+    import dataclasses
+
+    from prometheus_client import generate_latest
+
+    from pdserve.engine.vllm_engine import _LatestSchedulerStats
+    from pdserve.serving.metrics import ServingMetrics
+
+    sink = _LatestSchedulerStats()
+    finished = [SimpleNamespace(queued_time=0.002, prefill_time=0.050)]
+    sink.add_iteration(SimpleNamespace(time_to_first_tokens_iter=[0.06, 0.07], finished_requests=[]))
+    sink.add_iteration(SimpleNamespace(time_to_first_tokens_iter=[], finished_requests=finished))
+    timings = sink.take_timings()
+    assert timings == {"vllm_ttft_seconds": (0.06, 0.07), "queue_seconds": (0.002,),
+                       "prefill_seconds": (0.050,)}
+    assert set(sink.take_timings().values()) == {()}  # drained
+
+    actor, _, outputs = served
+    engine_stats = actor._engine.stats
+    monkeypatch.setattr(actor._engine, "stats", lambda: dataclasses.replace(engine_stats(), **timings))
+    first = await actor.stats(outputs.subscriber)
+    monkeypatch.setattr(actor._engine, "stats", engine_stats)
+    assert (first.vllm_ttft_seconds, first.queue_seconds) == ((0.06, 0.07), (0.002,))
+    assert (await actor.stats(outputs.subscriber)).vllm_ttft_seconds == ()  # counted once
+    metrics = ServingMetrics()
+    metrics.update_engines([first], ["colocated"])
+    text = generate_latest(metrics.registry).decode()
+    assert 'pdserve_engine_vllm_time_to_first_token_seconds_count{pool="colocated"} 2.0' in text
+    assert 'pdserve_engine_queue_time_seconds_sum{pool="colocated"} 0.002' in text
+    assert 'pdserve_engine_prefill_time_seconds_count{pool="colocated"} 1.0' in text

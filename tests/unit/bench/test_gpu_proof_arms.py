@@ -213,7 +213,16 @@ def test_a_vllm_arms_counters_carry_vllms_own_ttft_summed_over_its_engines():
         'vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 1.0',
         'vllm:time_to_first_token_seconds_sum{engine="1",model_name="m"} 0.1',
     ])
+    text += '\nvllm:request_queue_time_seconds_count{engine="0",model_name="m"} 2.0'
+    text += '\nvllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.01'
     counters = arms.vllm_counters(text)
-    assert counters == {"vllm_ttft_count": 4.0, "vllm_ttft_sum": pytest.approx(0.4)}
-    assert "vLLM's own TTFT 100.0 ms mean" in arms.counters_line(counters)
-    assert arms.vllm_counters("") == {"vllm_ttft_count": None, "vllm_ttft_sum": None}
+    assert counters["vllm_ttft_count"] == 4.0 and counters["vllm_ttft_sum"] == pytest.approx(0.4)
+    assert counters["queue_count"] == 2.0 and counters["prefill_count"] is None
+    assert "vLLM's own TTFT 100.0, queue 5.0 ms mean" in arms.counters_line(counters)
+    assert set(arms.vllm_counters("").values()) == {None}
+
+
+def test_a_variant_of_a_pdserve_arm_serves_with_its_settings_after_the_arms_own():
+    command, _ = arms.serve_command(arms.arm_spec("colocated-1"), "/m", False, ["0"], 8000,
+                                    settings=["engine.extra_engine_args={logits_processors: null}"])
+    assert command[-2:] == ["--set", "engine.extra_engine_args={logits_processors: null}"]
