@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine import decode_stream
 from pdserve.engine.tracing_scheduler import QUALNAME as TRACING_SCHEDULER
 from pdserve.engine.tracing_scheduler import trace_environment
 from pdserve.engine.types import (
@@ -142,6 +143,9 @@ class VllmEngine:
         model_path = await asyncio.to_thread(_local_model_path, self._spec)
         args = _engine_args(self._spec, model_path, on_cpu)
         self._llm = await asyncio.to_thread(self._build, args)
+        # The detokenizer decodes each prompt's tail, not all of it, before its first output.
+        if (backend := getattr(self._llm.tokenizer, "_tokenizer", None)) is not None:
+            decode_stream.install(backend)
         vllm_config = self._llm.vllm_config
         return EngineInfo(
             replica_id=self._spec.replica_id, pool=self._spec.pool,

@@ -95,3 +95,23 @@ def test_rates_given_per_workload_override_those_given_for_every_workload():
         proof._rates_arg("isl9k=1")
     with pytest.raises(Exception, match="numbers separated by commas"):
         proof._rates_arg("isl8k=fast")
+
+
+def test_the_ttft_split_sets_each_clock_of_a_probe_beside_the_clients():
+    path = Path(__file__).parents[3] / "benchmarks" / "gpu" / "ttft_split.py"
+    spec = importlib.util.spec_from_file_location("gpu_ttft_split", path)
+    ttft_split = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ttft_split)
+    pdserve_row = {"rate": 1.0, "requests": {"ttft_ms": [100.0, 110.0, None]},
+                   "kv": {"frontend_ttft_count_colocated": 2, "frontend_ttft_sum_colocated": 0.2,
+                          "first_output_count_colocated": 2, "first_output_sum_colocated": 0.19,
+                          "vllm_ttft_count_colocated": 2, "vllm_ttft_sum_colocated": 0.18,
+                          "prefill_count_colocated": 2, "prefill_sum_colocated": 0.16}}
+    part = ttft_split.split(pdserve_row)
+    assert part["requests"] == 2 and part["client"] == pytest.approx(105.0)
+    assert (part["frontend"], part["actor"], part["vllm"], part["prefill"]) == pytest.approx((100, 95, 90, 80))
+    assert part["client_minus_vllm"] == pytest.approx(15.0)
+    vllm_row = {"rate": 1.0, "requests": {"ttft_ms": [100.0]},
+                "kv": {"vllm_ttft_count": 1, "vllm_ttft_sum": 0.09, "prefill_count": 1, "prefill_sum": 0.08}}
+    part = ttft_split.split(vllm_row)
+    assert (part["frontend"], part["vllm"], part["client_minus_vllm"]) == (None, pytest.approx(90), pytest.approx(10))
