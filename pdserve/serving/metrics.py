@@ -41,28 +41,27 @@ class ServingMetrics:
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds",
                              "Time from request arrival to its last token.",
                              ["pool"], buckets=_E2E_BUCKETS, registry=r)
-        self.engine_first_output = Histogram(
+        def per_leg(name: str, documentation: str) -> Histogram:
+            return Histogram(name, documentation, ["pool"], buckets=_ENGINE_FIRST_BUCKETS, registry=r)
+
+        self.engine_first_output = per_leg(
             "pdserve_engine_time_to_first_output_seconds",
             "Time from a request's arrival at its engine to the engine's first output (per leg: "
             "a disaggregated request counts once in prefill and once in decode, where it is the "
             "KV pull plus one step); pdserve_time_to_first_token_seconds minus this is Ray, the "
-            "frontend and, for a decode leg, the prefill leg.",
-            ["pool"], buckets=_ENGINE_FIRST_BUCKETS, registry=r)
-        self.engine_vllm_ttft = Histogram(
+            "frontend and, for a decode leg, the prefill leg.")
+        self.engine_vllm_ttft = per_leg(
             "pdserve_engine_vllm_time_to_first_token_seconds",
             "vLLM's own time to first token in an engine, per leg: from its input processing to "
             "the first token's output processing. pdserve_engine_time_to_first_output_seconds "
-            "minus this is the engine actor's own work.",
-            ["pool"], buckets=_ENGINE_FIRST_BUCKETS, registry=r)
-        self.engine_queue = Histogram(
+            "minus this is the engine actor's own work.")
+        self.engine_queue = per_leg(
             "pdserve_engine_queue_time_seconds",
-            "Time a finished request waited in its engine's scheduler before its first step, per leg.",
-            ["pool"], buckets=_ENGINE_FIRST_BUCKETS, registry=r)
-        self.engine_prefill = Histogram(
+            "Time a finished request waited in its engine's scheduler before its first step, per leg.")
+        self.engine_prefill = per_leg(
             "pdserve_engine_prefill_time_seconds",
             "Time from a finished request's first step in its engine to its first token, per leg "
-            "(a decode leg: its KV pull and one step).",
-            ["pool"], buckets=_ENGINE_FIRST_BUCKETS, registry=r)
+            "(a decode leg: its KV pull and one step).")
         self.requests = Counter("pdserve_requests_total", "Finished requests by outcome.",
                                 ["pool", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens processed.",
