@@ -4,8 +4,8 @@ Used when the engines belong to the deployment (`PdserveConfig.owned_by_deployme
 or api.replicas > 1). The pdserve process then serves nothing itself: it starts (or finds, by
 name) the controller (`serving/controller.py`), which launches the engines, then the ingress
 replicas (`ingress.py`), each a detached actor that Ray restarts when its process dies, prints
-the ready line and waits. SIGINT or SIGTERM takes the deployment down, from inside the
-controller (`Controller.stop`): every replica drains (running requests may finish within
+the ready line and waits. SIGINT or SIGTERM, during the start or after it, takes the deployment
+down, from inside the controller (`Controller.stop`): every replica drains (running requests may finish within
 api.shutdown_grace_s), then the engines stop, then the actors go.
 
 If this process dies instead (SIGKILL, a lost SSH session), the deployment keeps serving: the
@@ -17,10 +17,12 @@ this process's own, so its end still takes everything with it (`service.py`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -45,36 +47,48 @@ _REPLICA_START_TIMEOUT_S = 300.0
 
 async def serve_deployment(config: PdserveConfig, model: ResolvedModel, access: AccessPolicy,
                            started: float, summary: str) -> None:
-    """Start or attach to the deployment, print the ready line, stop it on SIGINT/SIGTERM."""
+    """Start or attach to the deployment, print the ready line, stop it on SIGINT/SIGTERM. A
+    signal during the start stops the deployment once the start ends (the controller's start
+    and stop do not overlap), as one after it would: replicas already serving drain."""
     config = with_cluster_token(config)  # engines started later (replacements) share it
     if config.api.port == 0:
         config = _with_port(config, free_port(config.api.host))
     controller = _controller(config, model)
     replicas: list[Any] = []
-    try:
-        await controller.start.remote()
-        nodes = alive_nodes()
-        replicas = [_ingress(config, model, i, access, nodes[i % len(nodes)])
-                    for i in range(config.api.replicas)]
+    with _signals() as stop:  # from here on, not Ray's handlers (which abort the process)
         try:
-            infos = await asyncio.wait_for(asyncio.gather(*(r.start.remote() for r in replicas)),
-                                           _REPLICA_START_TIMEOUT_S)
-        except TimeoutError:
-            raise EngineStartError(
-                f"the ingress replicas did not start within {_REPLICA_START_TIMEOUT_S:.0f} s: "
-                "is there room for them (api.replica_num_cpus each; `ray status`)?") from None
-    except BaseException:
-        logger.error("the deployment did not start; removing what started")
-        await stop_deployment(config, replicas, controller)
-        raise
-    scheme = "https" if config.api.ssl_certfile else "http"
-    nodes = {info["node_id"] for info in infos}
-    print(f"pdserve ready: {scheme}://{config.api.host}:{config.api.port}/v1 serving "
-          f"{model.served_name} ({summary} engine(s), {len(replicas)} ingress replica(s) on "
-          f"{len(nodes)} node(s), started in {time.perf_counter() - started:.1f} s)", flush=True)
-    await _until_signalled()
+            infos = await _start(config, model, access, controller, replicas)
+        except BaseException:
+            logger.error("the deployment did not start; removing what started")
+            await stop_deployment(config, replicas, controller)
+            raise
+        if not stop.is_set():
+            scheme = "https" if config.api.ssl_certfile else "http"
+            nodes = {info["node_id"] for info in infos}
+            print(f"pdserve ready: {scheme}://{config.api.host}:{config.api.port}/v1 serving "
+                  f"{model.served_name} ({summary} engine(s), {len(replicas)} ingress replica(s) "
+                  f"on {len(nodes)} node(s), started in {time.perf_counter() - started:.1f} s)",
+                  flush=True)
+            await stop.wait()
     logger.info("stopping the deployment: draining %d ingress replica(s)", len(replicas))
     await stop_deployment(config, replicas, controller)
+
+
+async def _start(config: PdserveConfig, model: ResolvedModel, access: AccessPolicy, controller: Any,
+                 replicas: list[Any]) -> list[dict]:
+    """The controller (its engines), then the ingress replicas, each added to `replicas` as it is
+    created (for whoever stops them); their start infos."""
+    await controller.start.remote()
+    nodes = alive_nodes()
+    replicas.extend(_ingress(config, model, i, access, nodes[i % len(nodes)])
+                    for i in range(config.api.replicas))
+    try:
+        return await asyncio.wait_for(asyncio.gather(*(r.start.remote() for r in replicas)),
+                                      _REPLICA_START_TIMEOUT_S)
+    except TimeoutError:
+        raise EngineStartError(
+            f"the ingress replicas did not start within {_REPLICA_START_TIMEOUT_S:.0f} s: "
+            "is there room for them (api.replica_num_cpus each; `ray status`)?") from None
 
 
 async def stop_deployment(config: PdserveConfig, replicas: list[Any], controller: Any) -> None:
@@ -144,13 +158,15 @@ def _with_port(config: PdserveConfig, port: int) -> PdserveConfig:
     return config.model_copy(update={"api": config.api.model_copy(update={"port": port})})
 
 
-async def _until_signalled() -> None:
+@contextlib.contextmanager
+def _signals() -> Iterator[asyncio.Event]:
+    """An event SIGINT or SIGTERM sets, while in the block."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        yield stop
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -27,7 +27,7 @@ import pytest
 
 from pdserve.config.schema import PdserveConfig
 from pdserve.testing import save_tiny_model
-from pdserve.testing.server import RunningServer, free_port, start_process
+from pdserve.testing.server import RunningServer, free_port, spawn_process, start_process
 
 # Generous liveness bounds, never speed targets: the reaper ends a killed server's session in
 # a few seconds, a drained server stops a few seconds after its grace.
@@ -299,6 +299,34 @@ def test_sigterm_drains_every_ingress_replica_and_exits_0(tmp_path):
     # 30), then the deployment stops and nothing of it is left.
     chunks, done = _sigterm_during_a_stream(tmp_path, 160, "--ingress-replicas", "2")
     assert done and len(chunks) == 160, len(chunks)
+
+
+@pytest.mark.integration
+def test_sigterm_during_the_start_stops_what_started_and_exits_0(tmp_path):
+    """A deployment signalled while it starts (an orchestrator gives up on it) stops once its
+    start ends, never says ready, exits 0 and leaves nothing behind; before, Ray's own SIGTERM
+    handler aborted the process (-6) and the lifecycle guard reaped the rest."""
+    model = save_tiny_model(tmp_path / "tiny-model")
+    port = free_port()
+    server = spawn_process([sys.executable, "-m", "pdserve", "serve", "--port", str(port),
+                            *mock_args(model, "--mode", "colocated", "--ingress-replicas", "2")],
+                           port, tmp_path / "pdserve.log")
+    session = None
+    try:
+        deadline = time.monotonic() + 180
+        while "ingress replicas go to the nodes" not in server.log_path.read_text():
+            assert server.process.poll() is None and time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.05)
+        session = Session.of(server)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(EXIT_WITHIN_S) == 0, server.log_tail()
+        assert "pdserve ready" not in server.log_path.read_text()
+        session.wait_gone()
+        assert port_is_free(port)
+    finally:
+        server.stop()
+        if session is not None:
+            session.kill_leftovers()
 
 
 @pytest.mark.integration
