@@ -23,24 +23,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from pdserve.bench.arms import counter_mean_ms  # noqa: E402
 from pdserve.bench.grid import WORKLOADS  # noqa: E402
 from pdserve.bench.grid_summary import load_records  # noqa: E402
-
-
-def _mean(counters: dict, key: str) -> float | None:
-    count = counters.get(f"{key}_count")
-    return counters[f"{key}_sum"] / count * 1e3 if count else None
 
 
 def split(row: dict, pool: str = "colocated") -> dict:
     """One probe's TTFT parts (ms); None where the record has no such counter."""
     ttfts = [t for t in row["requests"]["ttft_ms"] if t is not None]
     counters = row.get("kv") or {}
-    pooled = {key[: -len(pool) - 1]: value for key, value in counters.items() if key.endswith(f"_{pool}")}
+    own = f"_{pool}"  # a pdserve arm's counters are per pool; a vllm-N arm's are not
     out = {"rate": row["rate"], "requests": len(ttfts), "client": statistics.fmean(ttfts) if ttfts else None,
-           "frontend": _mean(pooled, "frontend_ttft"), "actor": _mean(pooled, "first_output"),
-           "vllm": _mean(pooled, "vllm_ttft") or _mean(counters, "vllm_ttft"),
-           "prefill": _mean(pooled, "prefill") or _mean(counters, "prefill")}
+           "frontend": counter_mean_ms(counters, "frontend_ttft", own),
+           "actor": counter_mean_ms(counters, "first_output", own),
+           "vllm": counter_mean_ms(counters, "vllm_ttft", own) or counter_mean_ms(counters, "vllm_ttft"),
+           "prefill": counter_mean_ms(counters, "prefill", own) or counter_mean_ms(counters, "prefill")}
     out["client_minus_vllm"] = out["client"] - out["vllm"] if out["vllm"] and out["client"] else None
     return out
 

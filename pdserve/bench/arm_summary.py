@@ -21,7 +21,8 @@ from pathlib import Path
 
 from pdserve.bench import grid_summary
 from pdserve.bench.arms import (
-    ATTAINMENT, ISL, LEGACY_NAMES, LEGACY_TPOT_TARGETS_MS, OSL, POOLS, TTFT_MS, arm_spec, first_output_ms,
+    ATTAINMENT, ISL, LEGACY_NAMES, LEGACY_TPOT_TARGETS_MS, OSL, POOLS, TIMINGS, TTFT_MS, arm_spec,
+    counter_mean_ms, first_output_ms,
 )
 
 TPOT_TARGETS_MS = LEGACY_TPOT_TARGETS_MS  # the targets issue 9's records scored
@@ -167,10 +168,10 @@ def _rate_row(row: dict) -> dict:
         if (mean_ms := first_output_ms(row.get("kv") or {}, pool)) is not None:
             out[f"engine_first_output_ms_mean_{pool}"] = mean_ms
     counters = row.get("kv") or {}
-    for key in (f"{timing}_count{suffix}" for timing in ("vllm_ttft", "queue", "prefill")
-                for suffix in ("", *(f"_{pool}" for pool in POOLS))):
-        if count := counters.get(key):
-            out[key.replace("_count", "_ms_mean")] = counters[key.replace("_count", "_sum")] / count * 1e3
+    for timing in TIMINGS:
+        for suffix in ("", *(f"_{pool}" for pool in POOLS)):
+            if (mean := counter_mean_ms(counters, timing, suffix)) is not None:
+                out[f"{timing}_ms_mean{suffix}"] = mean
     return out
 
 

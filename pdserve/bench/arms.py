@@ -153,6 +153,11 @@ _FRONTEND_TTFT = "pdserve_time_to_first_token_seconds"
 _ENGINE_TIMINGS = {"vllm_ttft": "pdserve_engine_vllm_time_to_first_token_seconds",
                    "queue": "pdserve_engine_queue_time_seconds",
                    "prefill": "pdserve_engine_prefill_time_seconds"}
+# The same timings on plain `vllm serve`'s /metrics (counters `vllm_ttft_count`, ...).
+_VLLM_TIMINGS = {"vllm_ttft": "vllm:time_to_first_token_seconds",
+                 "queue": "vllm:request_queue_time_seconds",
+                 "prefill": "vllm:request_prefill_time_seconds"}
+TIMINGS = tuple(_ENGINE_TIMINGS)
 _FIRST_OUTPUT_LE = ("0.05", "0.075", "0.1", "0.15", "0.2", "0.3", "0.5")
 POOLS = ("prefill", "decode", "colocated")
 
@@ -310,10 +315,16 @@ def metric_value(metrics_text: str, name: str, **labels: str) -> float | None:
                  if sample == name and all(have.get(k) == v for k, v in labels.items())), None)
 
 
+def counter_mean_ms(counters: dict, key: str, suffix: str = "") -> float | None:
+    """The mean of a histogram in `counters` (`KEY_countSUFFIX`, `KEY_sumSUFFIX`, seconds), in ms
+    (None: no samples)."""
+    count = counters.get(f"{key}_count{suffix}")
+    return counters[f"{key}_sum{suffix}"] / count * 1e3 if count else None
+
+
 def first_output_ms(counters: dict, pool: str) -> float | None:
     """The mean engine first output of a pool's requests in `counters`, in ms (None: none)."""
-    count = counters.get(f"first_output_count_{pool}")
-    return counters[f"first_output_sum_{pool}"] / count * 1e3 if count else None
+    return counter_mean_ms(counters, "first_output", f"_{pool}")
 
 
 def counters_line(counters: dict) -> str:
@@ -326,8 +337,8 @@ def counters_line(counters: dict) -> str:
         if (mean_ms := first_output_ms(counters, pool)) is not None:
             share = counters.get(f"first_output_le0.075_{pool}", 0) / counters[f"first_output_count_{pool}"]
             parts.append(f"{pool} engine first output {mean_ms:.0f} ms mean, {share:.0%} <= 75 ms")
-        if count := counters.get(f"frontend_ttft_count_{pool}"):
-            parts.append(f"{pool} frontend TTFT {counters[f'frontend_ttft_sum_{pool}'] / count * 1e3:.1f} ms mean")
+        if (mean := counter_mean_ms(counters, "frontend_ttft", f"_{pool}")) is not None:
+            parts.append(f"{pool} frontend TTFT {mean:.1f} ms mean")
         if timings := _timings_text(counters, f"_{pool}"):
             parts.append(f"{pool} engines' vLLM {timings}")
     if timings := _timings_text(counters, ""):
@@ -337,9 +348,9 @@ def counters_line(counters: dict) -> str:
 
 def _timings_text(counters: dict, suffix: str) -> str:
     """vLLM's TTFT, queue and prefill means (ms) among `counters` (keys ending in `suffix`)."""
-    parts = [f"{label} {counters[f'{key}_sum{suffix}'] / count * 1e3:.1f}"
-             for key, label in (("vllm_ttft", "TTFT"), ("queue", "queue"), ("prefill", "prefill"))
-             if (count := counters.get(f"{key}_count{suffix}"))]
+    parts = [f"{label} {mean:.1f}"
+             for key, label in zip(TIMINGS, ("TTFT", "queue", "prefill"), strict=True)
+             if (mean := counter_mean_ms(counters, key, suffix)) is not None]
     return f"{', '.join(parts)} ms mean" if parts else ""
 
 
@@ -348,9 +359,8 @@ def vllm_counters(metrics_text: str) -> dict[str, float | None]:
     the same vLLM timings pdserve's engines report (engine_counters' `vllm_ttft_*`, `queue_*`,
     `prefill_*` per pool). vLLM's TTFT runs from its input processing to its output processor's
     first token, so a vllm-N arm's client TTFT minus it is vLLM's HTTP, parsing and streaming."""
-    return {f"{key}_{part}": metric_sum(metrics_text, f"vllm:{metric}_seconds_{part}")
-            for key, metric in (("vllm_ttft", "time_to_first_token"), ("queue", "request_queue_time"),
-                                ("prefill", "request_prefill_time")) for part in ("count", "sum")}
+    return {f"{key}_{part}": metric_sum(metrics_text, f"{metric}_{part}")
+            for key, metric in _VLLM_TIMINGS.items() for part in ("count", "sum")}
 
 
 def metric_sum(text: str, name: str) -> float | None:
